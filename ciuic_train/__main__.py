@@ -1,0 +1,3 @@
+from ciuic_train.cli import main
+
+main()

@@ -1,0 +1,153 @@
+"""Typed configuration: the schema every composed config is checked against.
+
+The dataclasses are registered in Hydra's ConfigStore as the base of `conf/config.yaml`,
+so a misspelt key, a wrong type or an unknown enum value fails at composition time,
+before any work starts. `to_config` converts a composed DictConfig into these objects and
+re-checks it against the schema, because Hydra lets `+key=value` add keys a schema lacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from ciuic_train.errors import UserError
+from ciuic_train.model.config import ModelConfig
+
+
+class Device(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Progress(Enum):
+    """How training progress is shown: `auto` is a rich bar on a terminal, plain lines otherwise."""
+
+    auto = "auto"
+    rich = "rich"
+    plain = "plain"
+
+
+@dataclass
+class DataConfig:
+    # stdlib: the running interpreter's standard library sources (no download);
+    # text: a file, folder or glob of text files; tokens: uint16 .bin memmap(s).
+    name: str = "stdlib"
+    path: str = ""
+    # Fraction of files (or, with a single file, of tokens) held out for validation.
+    val_fraction: float = 0.05
+    # Where tokenized corpora are cached; empty means $XDG_CACHE_HOME/ciuic-train.
+    cache_dir: str = ""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    # Applied to matrices only; norms, biases and embeddings are never decayed.
+    weight_decay: float = 0.1
+    # End of the cosine decay, as a fraction of train.lr.
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 600
+    batch_size: int = 8
+    seq_len: int = 256
+    grad_accum: int = 1
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    # Max global grad norm; 0 disables clipping.
+    grad_clip: float = 1.0
+
+
+@dataclass
+class SampleConfig:
+    """The text generated after training, so a user sees what the model learnt."""
+
+    prompt: str = "def "
+    # 0 skips the sample.
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    # 0 samples from the whole distribution.
+    top_k: int = 0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    # One entry per selected trick (`+trick=name`), keyed by the trick's name.
+    trick: Dict[str, Any] = field(default_factory=dict)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    seed: int = 0
+    device: Device = Device.auto
+    precision: Precision = Precision.fp32
+    progress: Progress = Progress.auto
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="ciuic_train_schema", node=Config)
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Turn a composed config into typed objects, refusing keys the schema does not know."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain.pop("hydra", None)
+    try:
+        checked = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        config = OmegaConf.to_object(checked)
+    except ValueError as err:  # raised by a dataclass __post_init__ check
+        raise UserError(str(err)) from None
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks that a schema cannot express."""
+    train = config.train
+    for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "log_every"):
+        if getattr(train, key) < 1:
+            raise UserError(f"train.{key}={getattr(train, key)} must be at least 1")
+    if train.warmup_steps < 0:
+        raise UserError(f"train.warmup_steps={train.warmup_steps} must be 0 or more")
+    if train.lr <= 0:
+        raise UserError(f"train.lr={train.lr} must be positive")
+    if train.grad_clip < 0:
+        raise UserError(f"train.grad_clip={train.grad_clip} must be 0 (off) or positive")
+    if train.seq_len > config.model.max_seq_len:
+        raise UserError(
+            f"train.seq_len={train.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"
+        )
+    if not 0.0 < config.data.val_fraction < 1.0:
+        raise UserError(f"data.val_fraction={config.data.val_fraction} must be between 0 and 1")
+    if config.data.name not in ("stdlib", "text", "tokens"):
+        raise UserError(f"data.name={config.data.name!r} is not one of: stdlib, text, tokens")
+    if config.data.name in ("text", "tokens") and not config.data.path:
+        raise UserError(f"data={config.data.name} needs data.path=FILE, FOLDER or GLOB")
+    if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
+        raise UserError(f"optim.min_lr_ratio={config.optim.min_lr_ratio} must be between 0 and 1")
+    if not config.sample.prompt:
+        raise UserError("sample.prompt must not be empty")
+    if config.sample.max_new_tokens < 0:
+        raise UserError(f"sample.max_new_tokens={config.sample.max_new_tokens} must be 0 (no sample) or more")
+    if config.sample.temperature <= 0:
+        raise UserError(f"sample.temperature={config.sample.temperature} must be positive")

@@ -1,0 +1,113 @@
+"""Where training figures go: metrics.jsonl, the log, and the terminal.
+
+On a terminal the user gets a rich progress bar that carries the latest figures; in a
+log (no terminal, or `progress=plain`) every logged step is one plain line. Either way
+the run folder's log file receives the plain lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+log = logging.getLogger("ciuic_train")
+
+
+class MetricsFile:
+    """One JSON object per logged step, appended and flushed so a crash loses nothing logged."""
+
+    def __init__(self, path: Path):
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def format_step(record: dict[str, Any]) -> str:
+    parts = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
+    if "val_loss" in record:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
+    parts += [
+        f"lr {record['lr']:.2e}",
+        f"grad_norm {record['grad_norm']:.3f}",
+        f"{record['tokens_per_s']:,.0f} tok/s",
+    ]
+    return " | ".join(parts)
+
+
+class ProgressDisplay:
+    """A rich bar on a terminal, plain log lines otherwise."""
+
+    def __init__(self, total_steps: int, mode: str):
+        self.rich = mode == "rich" or (mode == "auto" and sys.stdout.isatty())
+        self.total_steps = total_steps
+        self._progress: Progress | None = None
+        self._detached: list[tuple[logging.Logger, logging.Handler]] = []
+
+    def __enter__(self) -> "ProgressDisplay":
+        if self.rich:
+            # Console log handlers would tear the live bar; the log file keeps every line.
+            for handler in list(logging.getLogger().handlers):
+                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                    logging.getLogger().removeHandler(handler)
+                    self._detached.append((logging.getLogger(), handler))
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[figures]}"),
+                console=Console(),
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.total_steps, figures="")
+        return self
+
+    def advance(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def report(self, record: dict[str, Any]) -> None:
+        line = format_step(record)
+        log.info(line)
+        if self._progress is not None:
+            self._progress.update(
+                self._task,
+                figures=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s",
+            )
+            if "val_loss" in record:
+                self._progress.console.print(line)
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        for logger, handler in self._detached:
+            logger.addHandler(handler)
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    table = Table(title="ciuic-train summary", show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    for key, value in summary.items():
+        if isinstance(value, float):
+            text = f"{value:,.4f}" if math.isfinite(value) and abs(value) < 1e4 else f"{value:,.1f}"
+        elif isinstance(value, int):
+            text = f"{value:,}"
+        else:
+            text = str(value)
+        table.add_row(key, text)
+    return table

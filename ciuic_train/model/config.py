@@ -1,0 +1,75 @@
+"""The shape of a DeepSeek-style transformer, one flat dataclass.
+
+It doubles as the Hydra structured-config schema for `conf/model/*.yaml`, which is why
+it holds only plain scalar fields with defaults (the defaults are the `tiny` preset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    # The first n_dense_layers blocks use a dense SwiGLU FFN, the rest a MoE.
+    n_dense_layers: int = 1
+    n_heads: int = 4
+    # Multi-head latent attention. q_lora_rank=0 projects queries directly from dim.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    dense_ffn_dim: int = 128
+    # Hidden size of each routed expert and of each shared-expert slice.
+    moe_ffn_dim: int = 32
+    n_routed_experts: int = 4
+    n_shared_experts: int = 1
+    n_activated_experts: int = 2
+    score_func: str = "softmax"
+    norm_topk_prob: bool = False
+    route_scale: float = 1.0
+    # Step of the auxiliary-loss-free balancing bias (gamma in DeepSeek-V3).
+    bias_update_rate: float = 1e-3
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size dim n_layers n_heads kv_lora_rank qk_nope_head_dim qk_rope_head_dim"
+            " v_head_dim dense_ffn_dim moe_ffn_dim n_routed_experts n_activated_experts"
+            " max_seq_len route_scale rope_theta norm_eps init_std"
+        ).split()
+        for field in positive:
+            if getattr(self, field) <= 0:
+                raise ValueError(f"model.{field}={getattr(self, field)} must be positive")
+        for field in ("n_dense_layers", "q_lora_rank", "n_shared_experts", "bias_update_rate"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"model.{field}={getattr(self, field)} must be 0 or more")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)"
+            )
+        if self.n_dense_layers > self.n_layers:
+            raise ValueError(
+                f"model.n_dense_layers={self.n_dense_layers} must be at most "
+                f"n_layers={self.n_layers}"
+            )
+        if self.n_activated_experts > self.n_routed_experts:
+            raise ValueError(
+                f"model.n_activated_experts={self.n_activated_experts} must be at most "
+                f"n_routed_experts={self.n_routed_experts}"
+            )
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(
+                f"model.score_func={self.score_func!r} is not one of: {', '.join(SCORE_FUNCS)}"
+            )

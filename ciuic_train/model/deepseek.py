@@ -1,0 +1,352 @@
+"""A DeepSeek-V2/V3 style decoder: Multi-head Latent Attention plus DeepSeekMoE.
+
+Read top to bottom: RMSNorm, RoPE, attention, the dense FFN, the MoE, the block, the
+model, then parameter counting and sampling. The model returns logits only; the trainer
+owns the loss.
+
+Weight decay rule for the trainer: decay parameters with ndim >= 2 except
+`tok_embeddings.weight`. That excludes norms and keeps matrices, including the stacked
+expert weights and `lm_head.weight`.
+
+Building on meta works: `with torch.device("meta"): model = Transformer(cfg)` allocates
+nothing; after `model.to_empty(device=...)` call `model.init_weights()` to fill in real
+parameters and buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ciuic_train.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Normalises in fp32 so bf16 activations don't lose the mean-square."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight).type_as(x)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+    """cos/sin of shape [max_seq_len, head_dim // 2], one angle per rotated pair."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x[..., T, d] by position, pairing adjacent channels (2i, 2i+1).
+
+    Interleaved pairs are the convention of DeepSeek's released inference code, so weights
+    from their checkpoints would load without permuting the rope channels.
+    """
+    even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA: keys and values are rebuilt from a small shared latent of width kv_lora_rank.
+
+    Only the latent (and one shared rope key) would need caching at inference, which is
+    the point of MLA. Position enters through a separate, decoupled rope part of each
+    query/key head, because RoPE cannot be folded through the latent up-projection.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qk_nope_head_dim = cfg.qk_nope_head_dim
+        self.qk_rope_head_dim = cfg.qk_rope_head_dim
+        self.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        q_width = cfg.n_heads * self.qk_head_dim
+        self.compress_q = cfg.q_lora_rank > 0
+        if self.compress_q:
+            self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, q_width, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, q_width, bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(
+            cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.compress_q else self.wq(x)
+        q = q.view(batch, seq, self.n_heads, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+
+        kv_latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        # One rope key per position, shared by every head.
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)
+        kv = self.wkv_b(self.kv_norm(kv_latent))
+        kv = kv.view(batch, seq, self.n_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)
+
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.qk_head_dim**-0.5)
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.v_head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE: top-k of many small routed experts, plus shared experts every token uses.
+
+    Balance comes from `expert_bias` (DeepSeek-V3's auxiliary-loss-free scheme): it is
+    added to the scores only to choose experts, so it steers load without distorting
+    the gate weights that mix the chosen experts' outputs. Training forwards count the
+    tokens each expert received in `tokens_per_expert`; `Transformer.update_expert_bias`
+    turns those counts into a bias step. (Activation checkpointing re-runs the forward
+    and would count every token twice; the sign-based step does not mind.)
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_routed_experts = cfg.n_routed_experts
+        self.n_activated_experts = cfg.n_activated_experts
+        self.score_func = cfg.score_func
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.route_scale = cfg.route_scale
+        self.bias_update_rate = cfg.bias_update_rate
+        self.gate = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
+        # Stacked so one grouped matmul can later replace the per-expert loop.
+        n_experts, hidden, dim = cfg.n_routed_experts, cfg.moe_ffn_dim, cfg.dim
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.shared_experts = (
+            SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.moe_ffn_dim)
+            if cfg.n_shared_experts > 0
+            else None
+        )
+        # fp32 so steps of ~1e-3 are not rounded away; persistent because it is model state.
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For tokens x[N, dim], return (gate weights [N, k] fp32, expert indices [N, k])."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        indices = (scores + self.expert_bias).topk(self.n_activated_experts, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.route_scale, indices
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, indices = self.route(x)
+
+        # Sort the (token, slot) assignments by expert so each expert's tokens form one
+        # contiguous slice; then the loop runs over experts, not tokens.
+        expert_of_assignment = indices.flatten()
+        order = expert_of_assignment.argsort(stable=True)
+        token_of_assignment = order // self.n_activated_experts
+        counts = torch.bincount(expert_of_assignment, minlength=self.n_routed_experts)
+        if self.training:
+            self.tokens_per_expert += counts
+        # tolist() waits for the device; a grouped matmul fed by offsets would not.
+        slices = x[token_of_assignment].split(counts.tolist())
+        expert_out = torch.cat([self.expert(e, tokens) for e, tokens in enumerate(slices)])
+        expert_out = expert_out * weights.flatten()[order].unsqueeze(-1)
+        y = torch.zeros_like(x).index_add_(0, token_of_assignment, expert_out.type_as(x))
+
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(shape)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Nudge underloaded experts up and overloaded ones down by a fixed step."""
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, use_moe: bool):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = MultiHeadLatentAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MoE(cfg) if use_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids [B, T] -> logits [B, T, vocab_size].
+
+    Parameter names the trainer relies on: `tok_embeddings` (not weight-decayed) and
+    `lm_head` (decayed like any matrix).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(
+            Block(cfg, use_moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers)
+        )
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        # Recomputable from the config, so kept out of checkpoints.
+        half_rope = cfg.qk_rope_head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half_rope), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half_rope), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and buffer from the global torch RNG.
+
+        Called by __init__; call it again after `to_empty()` on a model built on meta.
+        """
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, MoE):
+                for weight in (module.w1, module.w2, module.w3):
+                    nn.init.normal_(weight, mean=0.0, std=std)
+                module.expert_bias.zero_()
+                module.tokens_per_expert.zero_()
+        cos, sin = rope_tables(
+            self.config.qk_rope_head_dim,
+            self.config.max_seq_len,
+            self.config.rope_theta,
+            device=self.rope_cos.device,
+        )
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq} exceeds model.max_seq_len={self.config.max_seq_len}"
+            )
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+    def moe_layers(self) -> dict[int, MoE]:
+        return {i: layer.ffn for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)}
+
+    @torch.no_grad()
+    def update_expert_bias(
+        self, all_reduce: Callable[[torch.Tensor], object] | None = None
+    ) -> None:
+        """Apply one auxiliary-loss-free balancing step; call after each optimizer step.
+
+        `all_reduce`, if given, must sum a tensor in place across ranks (e.g.
+        `torch.distributed.all_reduce`), so every rank sees the global load and makes the
+        same bias update. All layers' counts go through it as one tensor: one collective.
+        """
+        moes = list(self.moe_layers().values())
+        if not moes:
+            return
+        loads = torch.stack([moe.tokens_per_expert for moe in moes])
+        if all_reduce is not None:
+            all_reduce(loads)
+        for moe, load in zip(moes, loads):
+            moe.update_bias(load)
+            moe.tokens_per_expert.zero_()
+
+    def expert_load_imbalance(self) -> dict[int, float]:
+        """Max over mean tokens per expert, by layer index, since the last bias update.
+
+        1.0 is perfect balance; n_routed_experts / n_activated_experts is total collapse.
+        Read it before `update_expert_bias`, which clears the counts.
+        """
+        return {
+            i: (moe.tokens_per_expert.max() / moe.tokens_per_expert.mean().clamp_min(1)).item()
+            for i, moe in self.moe_layers().items()
+        }
+
+
+def count_parameters(model: Transformer) -> tuple[int, int]:
+    """(total, active per token) parameter counts.
+
+    Active counts every parameter except the routed experts a token does not visit:
+    n_activated_experts of the n_routed_experts per MoE layer. Both counts include the
+    embedding and the lm head, as DeepSeek's published numbers do. Works on meta models.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    inactive = 0
+    for moe in model.moe_layers().values():
+        per_expert = sum(w[0].numel() for w in (moe.w1, moe.w2, moe.w3))
+        inactive += per_expert * (moe.n_routed_experts - moe.n_activated_experts)
+    return total, total - inactive
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample max_new_tokens after prompt_ids [1, T]; returns prompt and sample, [1, T + new].
+
+    No KV cache: each step re-runs the model on the last max_seq_len tokens, which is
+    plenty for a look at what a small model learnt. top_k None or 0 keeps every token.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be positive")
+    was_training = model.training
+    model.eval()
+    try:
+        ids = prompt_ids
+        for _ in range(max_new_tokens):
+            logits = model(ids[:, -model.config.max_seq_len :])[:, -1, :].float() / temperature
+            if top_k:
+                kth_largest = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+            next_id = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+            ids = torch.cat([ids, next_id], dim=1)
+    finally:
+        model.train(was_training)
+    return ids

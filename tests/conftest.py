@@ -1,0 +1,37 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from ciuic_train.config import Config, register_configs, to_config
+
+register_configs()
+
+
+def compose_config(*overrides: str) -> Config:
+    """The typed config `ciuic-train <overrides>` would run with."""
+    with initialize_config_module(config_module="ciuic_train.conf", version_base="1.3"):
+        return to_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the installed console script as a user would, from `cwd`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    exe = Path(sys.executable).with_name("ciuic-train")
+    return subprocess.run(
+        [str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> Path:
+    """A small folder of text files: enough windows for tiny runs, several files for the split."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    line = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
+    for i in range(40):
+        (folder / f"doc{i:02d}.txt").write_text(f"# document {i}\n" + line * (20 + i))
+    return folder

@@ -1,0 +1,138 @@
+"""Corpora, splits, caching and the window sampler."""
+
+import numpy as np
+import pytest
+import torch
+
+from ciuic_train.config import DataConfig
+from ciuic_train.data import (
+    WindowSampler,
+    eval_indices,
+    find_sources,
+    get_batch,
+    load_tokens,
+    unigram_entropy,
+)
+from ciuic_train.errors import UserError
+
+
+def test_stdlib_split_is_by_file_deterministic_and_disjoint():
+    first, second = find_sources(DataConfig()), find_sources(DataConfig())
+    assert first.train == second.train and first.val == second.val
+    assert not set(first.train) & set(first.val)
+    assert 0.02 < len(first.val) / (len(first.train) + len(first.val)) < 0.1
+    assert not any("site-packages" in p.parts or "test" in p.parts for p in first.train + first.val)
+
+
+def test_text_corpus_is_cached_and_reused(text_corpus, tmp_path):
+    cfg = DataConfig(name="text", path=str(text_corpus), cache_dir=str(tmp_path / "cache"))
+    splits = load_tokens(cfg)
+    expected = sum(len(p.read_bytes()) + 2 for p in text_corpus.iterdir())
+    assert len(splits.train) + len(splits.val) == expected
+    assert splits.vocab_size == 256 and int(splits.train.max()) < 256
+    (cached,) = (tmp_path / "cache").iterdir()
+    before = (cached / "train.bin").stat().st_mtime_ns
+    again = load_tokens(cfg)
+    assert (cached / "train.bin").stat().st_mtime_ns == before
+    assert np.array_equal(splits.val, again.val)
+    # Editing a source file gives a new cache entry rather than stale tokens.
+    victim = next(text_corpus.iterdir())
+    victim.write_text(victim.read_text() + "more\n")
+    load_tokens(cfg)
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_single_text_file_holds_out_its_tail(tmp_path):
+    f = tmp_path / "one.txt"
+    f.write_bytes(bytes(range(32, 127)) * 100)
+    splits = load_tokens(DataConfig(name="text", path=str(f), val_fraction=0.1, cache_dir=str(tmp_path / "c")))
+    assert len(splits.val) == 950 and len(splits.train) == 9500 + 2 - 950
+    assert splits.val[-1] == ord("\n")
+
+
+def test_glob_selects_matching_files(text_corpus):
+    sources = find_sources(DataConfig(name="text", path=str(text_corpus / "doc1*.txt")))
+    assert len(sources.train) + len(sources.val) == 10
+
+
+def test_pretokenized_folder_and_file(tmp_path):
+    (tmp_path / "train.bin").write_bytes(np.arange(1000, dtype=np.uint16).tobytes())
+    (tmp_path / "val.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+    splits = load_tokens(DataConfig(name="tokens", path=str(tmp_path)))
+    assert len(splits.train) == 1000 and len(splits.val) == 100 and splits.vocab_size == 1000
+    single = load_tokens(DataConfig(name="tokens", path=str(tmp_path / "train.bin"), val_fraction=0.1))
+    assert len(single.train) == 900 and list(single.val[:2]) == [900, 901]
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (DataConfig(name="text", path="/nonexistent/x"), "matches no file"),
+        (DataConfig(name="tokens", path="/nonexistent"), "does not exist"),
+    ],
+)
+def test_missing_inputs_are_clear_errors(cfg, message):
+    with pytest.raises(UserError, match=message):
+        find_sources(cfg)
+
+
+def test_empty_inputs_are_clear_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="empty folder"):
+        find_sources(DataConfig(name="text", path=str(tmp_path / "empty")))
+    (tmp_path / "blank.txt").write_text("")
+    with pytest.raises(UserError, match="only empty files"):
+        find_sources(DataConfig(name="text", path=str(tmp_path / "blank.txt")))
+    (tmp_path / "toks").mkdir()
+    (tmp_path / "toks" / "train.bin").write_bytes(b"")
+    with pytest.raises(UserError, match="without val.bin"):
+        find_sources(DataConfig(name="tokens", path=str(tmp_path / "toks")))
+
+
+def test_sampler_shares_are_disjoint_and_cover_the_epoch():
+    n, world = 103, 4
+    samplers = [WindowSampler(n, seed=7, rank=r, world_size=world) for r in range(world)]
+    epoch0 = [s.next_indices(25) for s in samplers]
+    seen = torch.cat(epoch0)
+    assert len(seen) == len(set(seen.tolist())) == 100
+    # The next draw is epoch 1: a different permutation, same coverage.
+    epoch1 = torch.cat([s.next_indices(25) for s in samplers])
+    assert len(set(epoch1.tolist())) == 100 and not torch.equal(epoch1, seen)
+    assert all(s.epoch == 1 for s in samplers)
+
+
+def test_sampler_is_deterministic_resumable_and_ignores_the_global_rng():
+    a = WindowSampler(50, seed=3)
+    first = a.next_indices(30)
+    state = a.state_dict()
+    rest = a.next_indices(40)  # crosses into epoch 1
+    torch.manual_seed(999)
+    b = WindowSampler(50, seed=3)
+    b.load_state_dict(state)
+    assert torch.equal(b.next_indices(40), rest)
+    assert torch.equal(WindowSampler(50, seed=3).next_indices(30), first)
+    assert not torch.equal(WindowSampler(50, seed=4).next_indices(30), first)
+
+
+def test_sampler_order_seam_reorders_within_the_share():
+    plain = WindowSampler(40, seed=1).next_indices(40)
+    reversed_ = WindowSampler(40, seed=1, order=lambda share, epoch: share.flip(0)).next_indices(40)
+    assert torch.equal(reversed_, plain.flip(0))
+
+
+def test_batches_are_shifted_windows():
+    tokens = np.arange(100, dtype=np.uint16)
+    x, y = get_batch(tokens, torch.tensor([0, 3]), seq_len=8)
+    assert x.dtype == torch.long and x.shape == (2, 8)
+    assert x[1].tolist() == list(range(24, 32)) and y[1].tolist() == list(range(25, 33))
+
+
+def test_eval_windows_are_fixed_and_spread():
+    tokens = np.zeros(1001, dtype=np.uint16)
+    idx = eval_indices(tokens, seq_len=10, count=5)
+    assert idx.tolist() == [0, 25, 50, 74, 99]
+
+
+def test_unigram_entropy_of_uniform_bytes():
+    tokens = np.repeat(np.arange(4, dtype=np.uint16), 10)
+    assert unigram_entropy(tokens, 256) == pytest.approx(np.log(4))

@@ -1,0 +1,353 @@
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from ciuic_train.model import ModelConfig, Transformer, count_parameters, generate
+from ciuic_train.model.deepseek import MoE, apply_rope, rope_tables
+
+REPO = Path(__file__).parents[1]
+PRESETS = ["tiny", "small", "deepseek_v2_lite", "deepseek_v3"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and two threads on a busy 2-core box crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def load_preset(name: str, **overrides) -> ModelConfig:
+    fields = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+    return ModelConfig(**{**fields, **overrides})
+
+
+def tiny_model(seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(load_preset("tiny", **overrides))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_sets_every_field_and_is_named_after_its_file(name):
+    fields = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+    assert set(fields) == {f.name for f in dataclasses.fields(ModelConfig)}
+    assert load_preset(name).name == name
+
+
+def test_changing_a_token_never_changes_earlier_logits():
+    model = tiny_model().eval()
+    idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    changed_at = 17
+    edited = idx.clone()
+    edited[:, changed_at] = (edited[:, changed_at] + 1) % 256
+    with torch.no_grad():
+        before, after = model(idx), model(edited)
+    assert before.shape == (2, 40, 256)
+    torch.testing.assert_close(before[:, :changed_at], after[:, :changed_at], atol=1e-6, rtol=0)
+    assert not torch.allclose(before[:, changed_at], after[:, changed_at])
+
+
+def test_sequence_longer_than_max_seq_len_is_refused():
+    model = tiny_model(max_seq_len=16)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_rope_rotates_adjacent_pairs_and_depends_only_on_relative_position():
+    cos, sin = rope_tables(8, 64, theta=10000.0)
+    x = torch.randn(64, 8)
+    rotated = apply_rope(x, cos, sin)
+    # Interleaved convention: channels (2i, 2i+1) turn together by angle pos * theta^(-2i/8).
+    for i in range(4):
+        pair = x[:, 2 * i : 2 * i + 2]
+        c, s = cos[:, i], sin[:, i]
+        expected = torch.stack(
+            [pair[:, 0] * c - pair[:, 1] * s, pair[:, 0] * s + pair[:, 1] * c], dim=-1
+        )
+        torch.testing.assert_close(rotated[:, 2 * i : 2 * i + 2], expected)
+
+    q, k = torch.randn(8), torch.randn(8)
+
+    def score(q_pos, k_pos):
+        q_rot = apply_rope(q.expand(64, 8), cos, sin)[q_pos]
+        k_rot = apply_rope(k.expand(64, 8), cos, sin)[k_pos]
+        return q_rot @ k_rot
+
+    torch.testing.assert_close(score(9, 4), score(40, 35))
+    torch.testing.assert_close(score(0, 0), q @ k)
+
+
+def test_attention_scores_depend_only_on_relative_position(monkeypatch):
+    model = tiny_model().eval()
+    attn, seq = model.layers[0].attn, 12
+    captured = {}
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        captured["q"], captured["k"] = q, k
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    # The same input at every position: any variation in the scores comes from RoPE.
+    x = torch.randn(1, 1, model.config.dim).expand(1, seq, -1)
+    with torch.no_grad():
+        attn(x, model.rope_cos[:seq], model.rope_sin[:seq])
+    scores = captured["q"][0] @ captured["k"][0].transpose(-1, -2)
+    torch.testing.assert_close(scores[:, 5, 2], scores[:, 9, 6])
+    torch.testing.assert_close(scores[:, 3, 3], scores[:, 11, 11])
+    assert (scores[:, 5, 2] - scores[:, 5, 4]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 24])
+def test_mla_shapes(q_lora_rank):
+    model = tiny_model(q_lora_rank=q_lora_rank).eval()
+    cfg = model.config
+    attn = model.layers[0].attn
+    seen = {}
+
+    def record(name):
+        def hook(module, inputs, output):
+            seen[name] = (tuple(inputs[0].shape), tuple(output.shape))
+
+        return hook
+
+    for name in ("wkv_a", "kv_norm", "wkv_b", "wo", "wq_a", "wq_b", "wq"):
+        if hasattr(attn, name):
+            getattr(attn, name).register_forward_hook(record(name))
+    batch, seq = 2, 9
+    x = torch.randn(batch, seq, cfg.dim)
+    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    assert attn(x, cos, sin).shape == (batch, seq, cfg.dim)
+
+    qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert seen["wkv_a"][1] == (batch, seq, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    # The latent that keys and values are rebuilt from is kv_lora_rank wide.
+    assert seen["kv_norm"][0] == (batch, seq, cfg.kv_lora_rank)
+    assert seen["wkv_b"][1] == (batch, seq, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+    assert seen["wo"][0] == (batch, seq, cfg.n_heads * cfg.v_head_dim)
+    if q_lora_rank:
+        assert "wq" not in seen
+        assert seen["wq_a"][1] == (batch, seq, q_lora_rank)
+        assert seen["wq_b"][1] == (batch, seq, cfg.n_heads * qk_head_dim)
+    else:
+        assert "wq_a" not in seen
+        assert seen["wq"][1] == (batch, seq, cfg.n_heads * qk_head_dim)
+
+
+def make_moe(**overrides) -> MoE:
+    torch.manual_seed(0)
+    settings = dict(n_routed_experts=8, n_activated_experts=3) | overrides
+    moe = MoE(load_preset("tiny", **settings))
+    for weight in (moe.gate.weight, moe.w1, moe.w2, moe.w3):
+        torch.nn.init.normal_(weight, std=0.3)
+    return moe
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_routing_picks_the_top_k_distinct_experts_of_the_biased_scores(score_func):
+    moe = make_moe(score_func=score_func, norm_topk_prob=True, route_scale=2.5)
+    moe.expert_bias.copy_(torch.linspace(-0.05, 0.05, 8))
+    x = torch.randn(50, moe.gate.in_features)
+    weights, indices = moe.route(x)
+    assert indices.shape == weights.shape == (50, 3)
+    assert (indices.sort(dim=-1).values.diff(dim=-1) > 0).all(), "an expert was chosen twice"
+    logits = x @ moe.gate.weight.T
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    expected = (scores + moe.expert_bias).topk(3).indices
+    assert torch.equal(indices.sort(-1).values, expected.sort(-1).values)
+    torch.testing.assert_close(weights.sum(-1), torch.full((50,), 2.5))
+
+
+def test_expert_bias_changes_the_choice_but_not_the_combine_weights():
+    moe = make_moe(n_routed_experts=4, n_activated_experts=2, score_func="softmax")
+    dim = moe.gate.in_features
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[:, 0] = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    token = torch.zeros(1, dim)
+    token[0, 0] = 1.0
+    scores = torch.tensor([3.0, 2.0, 1.0, 0.0]).softmax(-1)
+
+    weights, indices = moe.route(token)
+    assert indices.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights[0], scores[[0, 1]])
+
+    moe.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))
+    weights, indices = moe.route(token)
+    assert indices.tolist() == [[3, 0]], "the bias should have pulled in expert 3"
+    # Expert 3 is mixed with its unbiased score, and expert 0's weight did not move.
+    torch.testing.assert_close(weights[0], scores[[3, 0]])
+
+
+def test_grouped_dispatch_equals_a_per_token_reference():
+    moe = make_moe(score_func="sigmoid", norm_topk_prob=True, route_scale=2.5).eval()
+    moe.expert_bias.copy_(torch.randn(8) * 0.1)
+    x = torch.randn(3, 7, moe.gate.in_features)
+    weights, indices = moe.route(x.reshape(-1, x.shape[-1]))
+    expected = []
+    for n, token in enumerate(x.reshape(-1, x.shape[-1])):
+        out = moe.shared_experts(token)
+        for weight, e in zip(weights[n], indices[n]):
+            hidden = F.silu(moe.w1[e] @ token) * (moe.w3[e] @ token)
+            out = out + weight * (moe.w2[e] @ hidden)
+        expected.append(out)
+    with torch.no_grad():
+        got = moe(x)
+    torch.testing.assert_close(got, torch.stack(expected).view_as(x), atol=1e-5, rtol=1e-5)
+
+
+def test_training_forward_counts_tokens_per_expert_and_eval_does_not():
+    model = tiny_model()
+    moe = model.layers[1].ffn
+    idx = torch.randint(0, 256, (2, 10))
+    model.eval()
+    with torch.no_grad():
+        model(idx)
+    assert moe.tokens_per_expert.sum() == 0
+    model.train()
+    model(idx)
+    assert moe.tokens_per_expert.sum() == 2 * 10 * model.config.n_activated_experts
+
+
+def test_update_expert_bias_steps_toward_balance_and_clears_counts():
+    model = tiny_model(bias_update_rate=0.01)
+    moe = model.layers[1].ffn
+    moe.expert_bias.copy_(torch.tensor([0.5, 0.0, 0.0, 0.0]))
+    moe.tokens_per_expert.copy_(torch.tensor([10.0, 0.0, 5.0, 5.0]))
+    assert model.expert_load_imbalance() == {1: 2.0}
+    model.update_expert_bias()
+    # Mean load is 5: expert 0 is overloaded, expert 1 underloaded, 2 and 3 exactly even.
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([0.49, 0.01, 0.0, 0.0]))
+    assert moe.tokens_per_expert.sum() == 0
+
+
+def test_update_expert_bias_uses_the_all_reduced_load():
+    model = tiny_model(bias_update_rate=0.01)
+    moe = model.layers[1].ffn
+    moe.tokens_per_expert.copy_(torch.tensor([6.0, 2.0, 4.0, 4.0]))
+    other_rank = torch.tensor([[0.0, 8.0, 4.0, 4.0]])
+
+    def all_reduce(tensor):  # as if a second rank saw `other_rank`
+        tensor += other_rank
+
+    model.update_expert_bias(all_reduce=all_reduce)
+    # Global load [6, 10, 8, 8], mean 8: locally expert 1 looked underloaded, globally it is not.
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([0.01, -0.01, 0.0, 0.0]))
+
+
+# DeepSeek's published sizes, in billions: (total, active). Our totals hit them almost
+# exactly (15.706B and 671.026B; V3's 671B excludes the 14B multi-token-prediction
+# module, which we do not build either). Our active counts are higher (2.661B and
+# 37.552B) because they include the input embedding, which DeepSeek's active figures
+# evidently leave out: without it we get 2.451B and 36.625B. Hence the wider bound on
+# active: the embedding is 7.9% of V2-Lite's active count and 2.5% of V3's.
+PUBLISHED = {"deepseek_v2_lite": (15.7, 2.4, 0.12), "deepseek_v3": (671.0, 37.0, 0.03)}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_parameter_counts_on_meta(name):
+    published_total, published_active, active_tolerance = PUBLISHED[name]
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = Transformer(load_preset(name))
+    assert time.perf_counter() - start < 5
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    total, active = count_parameters(model)
+    assert total / 1e9 == pytest.approx(published_total, rel=0.005)
+    assert active / 1e9 == pytest.approx(published_active, rel=active_tolerance)
+    embedding = model.tok_embeddings.weight.numel()
+    assert (active - embedding) / 1e9 == pytest.approx(published_active, rel=0.025)
+
+
+def test_count_parameters_of_tiny_by_hand():
+    cfg = load_preset("tiny")
+    total, active = count_parameters(Transformer(cfg))
+    assert total == sum(p.numel() for p in Transformer(cfg).parameters()) < 1_000_000
+    routed_per_layer = cfg.n_routed_experts * 3 * cfg.dim * cfg.moe_ffn_dim
+    n_moe_layers = cfg.n_layers - cfg.n_dense_layers
+    idle_fraction = 1 - cfg.n_activated_experts / cfg.n_routed_experts
+    assert active == total - n_moe_layers * routed_per_layer * idle_fraction
+
+
+def test_meta_model_materialises_with_init_weights():
+    with torch.device("meta"):
+        model = Transformer(load_preset("tiny"))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    reference = tiny_model()
+    torch.testing.assert_close(model.rope_cos, reference.rope_cos)
+    assert model.layers[1].ffn.expert_bias.abs().sum() == 0
+    assert model.norm.weight.eq(1).all()
+    assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_tiny_model_overfits_one_batch():
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    idx = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    losses = []
+    for _ in range(200):
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        if not losses:
+            for name, param in model.named_parameters():
+                assert param.grad is not None and param.grad.abs().sum() > 0, name
+        optimizer.step()
+        model.update_expert_bias()
+        losses.append(loss.item())
+        if losses[-1] < 0.2 * losses[0]:
+            break
+    assert losses[-1] < 0.2 * losses[0], f"loss went {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("score_func", "relu"),
+        ("n_activated_experts", 5),
+        ("n_dense_layers", 3),
+        ("dim", 0),
+        ("n_routed_experts", -1),
+        ("init_std", 0.0),
+        ("q_lora_rank", -1),
+        ("qk_rope_head_dim", 7),
+    ],
+)
+def test_config_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^model\.{field}=") as error:
+        load_preset("tiny", **{field: value})
+    assert str(value) in str(error.value)
+
+
+def test_generate_length_determinism_and_mode():
+    model = tiny_model(max_seq_len=16).train()
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+
+    def sample(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return generate(model, prompt, 20, temperature=1.0, top_k=50, generator=generator)
+
+    first = sample(7)
+    # 25 tokens outgrow max_seq_len=16, so this also exercises cropping the context.
+    assert first.shape == (1, 25)
+    assert torch.equal(first[:, :5], prompt)
+    assert torch.equal(first, sample(7))
+    assert model.training, "generate must restore training mode"
+    assert model.layers[1].ffn.tokens_per_expert.sum() == 0, "sampling must not count load"
+
+
+def test_generate_top_k_one_is_greedy():
+    model = tiny_model()
+    prompt = torch.tensor([[10, 20]])
+    out = generate(model, prompt, 3, top_k=1, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        greedy = model.eval()(out[:, :-1]).argmax(-1)
+    assert torch.equal(out[:, 2:], greedy[:, 1:])

@@ -1,0 +1,148 @@
+"""The training loop, its schedule and optimizer, and the seams tricks plug into."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from ciuic_train.config import Precision
+from ciuic_train.errors import UserError
+from ciuic_train.model import Transformer
+from ciuic_train.optim import WarmupCosine, build_optimizer
+from ciuic_train.trainer import Trainer, param_checksum
+from ciuic_train.tricks import Trick, TrickContext, TrickSet, build_tricks
+from conftest import compose_config
+
+CTX = TrickContext(seed=0, rank=0, world_size=1, max_steps=10, grad_accum=2)
+
+
+def tiny_trainer(tmp_path, text_corpus, *overrides):
+    config = compose_config(
+        "model=tiny", "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+        "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", *overrides,
+    )
+    return Trainer(config, tmp_path)
+
+
+def test_warmup_cosine_shape():
+    schedule = WarmupCosine(peak=1.0, warmup_steps=10, total_steps=110, min_ratio=0.1)
+    assert schedule(0) == pytest.approx(0.1) and schedule(9) == pytest.approx(1.0)
+    assert schedule(60) == pytest.approx(0.55)
+    assert schedule(110) == pytest.approx(0.1) and schedule(500) == pytest.approx(0.1)
+    values = [schedule(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_weight_decay_skips_norms_and_embeddings():
+    model = Transformer(compose_config("model=tiny").model)
+    optimizer = build_optimizer(model, compose_config("model=tiny").optim, lr=1e-3)
+    decayed, plain = optimizer.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 and "tok_embeddings" not in names[id(p)] for p in decayed["params"])
+    assert any("tok_embeddings" in names[id(p)] for p in plain["params"])
+    assert any("norm" in names[id(p)] for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_training_lowers_the_loss_and_writes_metrics(tmp_path, text_corpus):
+    trainer = tiny_trainer(
+        tmp_path, text_corpus, "train.max_steps=40", "train.eval_every=20", "train.log_every=10",
+        "train.lr=3e-3", "train.warmup_steps=5",
+    )
+    before = trainer.evaluate()
+    summary = trainer.fit()
+    assert summary["final_val_loss"] < before - 1.0
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["param_checksum"] == param_checksum(trainer.model) == summary["param_checksum"]
+    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [10, 20, 30, 40]
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path, text_corpus):
+    runs = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        trainer = tiny_trainer(tmp_path / name, text_corpus, f"seed={seed}")
+        for _ in range(3):
+            trainer.train_step()
+        runs[name] = param_checksum(trainer.model)
+    assert runs["a"] == runs["b"] != runs["c"]
+
+
+def test_grad_accum_equals_one_big_batch(tmp_path, text_corpus):
+    """Two micro-batches of 4 weighted 1/2 each give the gradient of one batch of 8."""
+    accum = tiny_trainer(tmp_path / "a", text_corpus, "train.grad_accum=2", "train.grad_clip=0")
+    big = tiny_trainer(tmp_path / "b", text_corpus, "train.batch_size=8", "train.grad_clip=0")
+    grads = []
+    for trainer in (accum, big):
+        trainer.optimizer.step = lambda: None  # keep the gradients for comparison
+        trainer.optimizer.zero_grad = lambda set_to_none=True: None
+        trainer.train_step()
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_autocast_trains(tmp_path, text_corpus):
+    trainer = tiny_trainer(tmp_path, text_corpus, "precision=bf16", "train.lr=3e-3")
+    assert trainer.config.precision is Precision.bf16
+    first = trainer.train_step()["loss"]
+    for _ in range(15):
+        last = trainer.train_step()["loss"]
+    assert math.isfinite(last) and last < first
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+
+
+class ConstantLR(Trick):
+    name = "constant_lr"
+
+    def lr_at(self, step, schedule):
+        return 0.0
+
+
+class HalfLR(Trick):
+    name = "half_lr"
+
+    def lr_at(self, step, schedule):
+        return schedule(step) / 2
+
+
+class Reverse(Trick):
+    name = "reverse"
+
+    def __init__(self, ctx, times=1):
+        super().__init__(ctx)
+        self.calls = 0
+
+    def order_indices(self, share, epoch):
+        self.calls += 1
+        return share.flip(0)
+
+    def metrics(self):
+        return {"calls": self.calls}
+
+
+def test_a_seam_has_one_owner_and_conflicts_are_refused():
+    tricks = TrickSet([ConstantLR(CTX), Reverse(CTX)], CTX)
+    assert tricks.lr_at(5, lambda step: 1.0) == 0.0
+    assert torch.equal(tricks.order_indices(torch.arange(3), 0), torch.tensor([2, 1, 0]))
+    assert tricks.micro_batch_weights(0, 4) == [0.25] * 4
+    assert tricks.metrics() == {"reverse/calls": 1}
+    with pytest.raises(UserError, match="constant_lr and half_lr both replace the lr_at seam"):
+        TrickSet([ConstantLR(CTX), HalfLR(CTX)], CTX)
+
+
+def test_the_trainer_routes_through_the_seams(tmp_path, text_corpus, monkeypatch):
+    monkeypatch.setattr("ciuic_train.tricks.registry", lambda: {"constant_lr": ConstantLR})
+    trainer = tiny_trainer(tmp_path, text_corpus, "+trick.constant_lr={}")
+    before = param_checksum(trainer.model)
+    figures = trainer.train_step()
+    assert figures["lr"] == 0.0 and param_checksum(trainer.model) == before
+    assert trainer.tricks.names == ["constant_lr"]
+
+
+def test_unknown_trick_and_unknown_parameter_are_user_errors():
+    with pytest.raises(UserError, match="unknown trick 'nope'"):
+        build_tricks({"nope": {}}, CTX)
+    with pytest.raises(UserError, match="takes no parameter"):
+        Trick(CTX, bogus=1)
