@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import sys
 import typing
 from difflib import get_close_matches
@@ -50,6 +51,7 @@ def _hydra_job(cfg: DictConfig) -> float:
         trainer = Trainer(config, run_dir)
         summary = trainer.fit()
     except UserError as err:
+        _remove_unused_run_dir(run_dir)
         fail(str(err))
     show_results(summary, trainer.sample(), config.sample.prompt)
     return summary["final_val_loss"]
@@ -71,7 +73,20 @@ def main(argv: list[str] | None = None) -> None:
                 print_plan(config)
             return
     sys.argv = [PROG, *argv]
-    _hydra_job()
+    try:
+        _hydra_job()
+    except BrokenPipeError:  # `ciuic-train --help | head`: the reader left, nothing is wrong
+        sys.stderr.close()
+
+
+def _remove_unused_run_dir(run_dir: Path) -> None:
+    """Undo the folder Hydra made for a job that failed before writing any result of its own."""
+    hydra_files = {".hydra", "train.log"}
+    if not run_dir.is_dir() or any(p.name not in hydra_files for p in run_dir.iterdir()):
+        return
+    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+    (run_dir / "train.log").unlink(missing_ok=True)
+    run_dir.rmdir()
 
 
 def show_results(summary: dict[str, Any], sample: str | None, prompt: str) -> None:

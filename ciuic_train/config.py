@@ -64,13 +64,13 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 600
+    max_steps: int = 300
     batch_size: int = 8
     seq_len: int = 256
     grad_accum: int = 1
     lr: float = 2e-3
-    warmup_steps: int = 50
-    eval_every: int = 100
+    warmup_steps: int = 30
+    eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 10
     # Max global grad norm; 0 disables clipping.

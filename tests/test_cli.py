@@ -74,3 +74,17 @@ def test_help_lists_the_config_groups(tmp_path: Path):
     assert result.returncode == 0
     for group in ("model:", "data:", "optim:"):
         assert group in result.stdout
+
+
+def test_a_mistake_found_inside_the_job_removes_the_fresh_run_folder(tmp_path: Path):
+    """Token ids beyond the model's vocabulary are only seen once the data is opened."""
+    import numpy as np
+
+    (tmp_path / "train.bin").write_bytes(np.full(5000, 300, dtype=np.uint16).tobytes())
+    (tmp_path / "val.bin").write_bytes(np.full(5000, 300, dtype=np.uint16).tobytes())
+    run_dir = tmp_path / "run"
+    result = run_cli("model=tiny", "data=tokens", f"data.path={tmp_path}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("model.vocab_size=256")
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not run_dir.exists()

@@ -1,0 +1,220 @@
+"""Benchmark this machine and the trainer: matmul peak, training tokens/s and MFU, trainer overhead.
+
+MFU is measured against a peak timed here (not a datasheet figure), so it says how much of
+what this machine can actually do the model uses. The trainer is compared with a bare loop
+(forward, loss, backward, optimizer step, nothing else) in alternating rounds of the same
+process, so machine noise lands on both sides and their ratio is the trainer's own overhead.
+
+    python scripts/bench.py [--model small] [--steps 20] [--rounds 3] [--batch-size 8]
+                            [--seq-len 256] [--precision fp32|bf16] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_module
+from rich.console import Console
+from rich.table import Table
+
+from ciuic_train.config import Config, Precision, register_configs, to_config
+from ciuic_train.model import Transformer, count_parameters
+from ciuic_train.optim import build_optimizer
+from ciuic_train.trainer import Trainer
+
+MATMUL_SIZES = (1024, 2048)
+MATMUL_REPEATS = 5
+# Steps of an untimed bare loop before round 1, so one-time lazy setup (autograd threads,
+# kernel selection, oneDNN primitives) is not billed to whichever side runs first.
+WARMUP_STEPS = 2
+
+progress = Console(stderr=True)
+
+
+def matmul_peak(dtype: torch.dtype) -> dict[int, float]:
+    """GFLOP/s of a square `torch.mm` per size, best of several repeats after a warm-up."""
+    figures = {}
+    for n in MATMUL_SIZES:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(MATMUL_REPEATS):
+            tic = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - tic)
+        figures[n] = 2 * n**3 / best / 1e9
+    return figures
+
+
+def flops_per_token(model: Transformer, seq_len: int) -> float:
+    """Training FLOPs per token, torchtitan's convention: 6 x matmul params + attention scores.
+
+    The embedding is a lookup, not a matmul, so it leaves the count, unless it is tied
+    to the lm head, whose matmul is real.
+    """
+    cfg = model.config
+    _, active = count_parameters(model)
+    matmul_params = active - (0 if cfg.tie_embeddings else model.tok_embeddings.weight.numel())
+    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    attention = 6 * cfg.n_layers * cfg.n_heads * (qk_dim + cfg.v_head_dim) * seq_len
+    return 6 * matmul_params + attention
+
+
+def compose_config(args: argparse.Namespace) -> Config:
+    """The config exactly as the CLI would build it, with no evaluation or sample mid-run."""
+    overrides = [
+        f"model={args.model}",
+        f"train.max_steps={args.steps}",
+        f"train.batch_size={args.batch_size}",
+        f"train.seq_len={args.seq_len}",
+        f"train.eval_every={args.steps + 1}",
+        "train.eval_batches=1",
+        "train.warmup_steps=2",
+        f"precision={args.precision}",
+        "device=cpu",
+        "progress=plain",
+        "sample.max_new_tokens=0",
+    ]
+    register_configs()
+    with initialize_config_module(config_module="ciuic_train.conf", version_base="1.3"):
+        return to_config(compose(config_name="config", overrides=overrides))
+
+
+def trainer_tokens_per_s(config: Config) -> float:
+    """The full trainer (data, step, clipping, bias update, logging); its final eval is excluded."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        return Trainer(config, Path(run_dir)).fit()["tokens_per_s"]
+
+
+def bare_tokens_per_s(config: Config, steps: int) -> float:
+    """Forward, loss, backward, step on one fixed random batch: the floor the trainer adds to."""
+    torch.manual_seed(config.seed)
+    model = Transformer(config.model)
+    model.train()
+    optimizer = build_optimizer(model, config.optim, config.train.lr)
+    batch, seq = config.train.batch_size, config.train.seq_len
+    tokens = torch.randint(config.model.vocab_size, (batch, seq + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if config.precision is Precision.bf16 else nullcontext()
+    )
+    tic = time.perf_counter()
+    for _ in range(steps):
+        with autocast:
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return batch * seq * steps / (time.perf_counter() - tic)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each side, interleaved")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    logging.getLogger("ciuic_train").setLevel(logging.WARNING)
+    config = compose_config(args)
+
+    progress.print("timing matmul peak ...")
+    peaks = {"fp32": matmul_peak(torch.float32)}
+    if config.precision is Precision.bf16:
+        peaks["bf16"] = matmul_peak(torch.bfloat16)
+    peak_gflops = max(peaks[args.precision].values())
+    peak_size = max(peaks[args.precision], key=peaks[args.precision].get)
+
+    flops = flops_per_token(Transformer(config.model), args.seq_len)
+    bare_tokens_per_s(config, WARMUP_STEPS)
+    rounds = []
+    for i in range(args.rounds):
+        trainer = trainer_tokens_per_s(config)
+        bare = bare_tokens_per_s(config, args.steps)
+        rounds.append({"trainer_tokens_per_s": trainer, "bare_tokens_per_s": bare, "ratio": trainer / bare})
+        progress.print(f"round {i + 1}/{args.rounds}: trainer {trainer:,.0f} tok/s, bare {bare:,.0f} tok/s")
+
+    trainer_median = statistics.median(r["trainer_tokens_per_s"] for r in rounds)
+    bare_median = statistics.median(r["bare_tokens_per_s"] for r in rounds)
+    peak_flops = peak_gflops * 1e9
+    results = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "precision": args.precision,
+        "matmul_gflops": {dtype: {str(n): g for n, g in sizes.items()} for dtype, sizes in peaks.items()},
+        "peak_gflops": peak_gflops,
+        "peak_size": peak_size,
+        "flops_per_token": flops,
+        "tokens_per_s": bare_median,
+        "mfu": bare_median * flops / peak_flops,
+        "trainer_tokens_per_s": trainer_median,
+        "trainer_mfu": trainer_median * flops / peak_flops,
+        "trainer_bare_ratio": trainer_median / bare_median,
+        "rounds": rounds,
+    }
+
+    summary = Table(title="ciuic_train bench", show_header=False)
+    summary.add_row("torch / threads", f"{results['torch']} / {results['threads']}")
+    summary.add_row("cpu", results["cpu"])
+    summary.add_row(
+        "config", f"model={args.model} B={args.batch_size} S={args.seq_len} {args.precision}, {args.steps} steps"
+    )
+    for dtype, sizes in peaks.items():
+        summary.add_row(f"matmul {dtype} GFLOP/s", ", ".join(f"{n}: {g:,.1f}" for n, g in sizes.items()))
+    summary.add_row("peak used for MFU", f"{peak_gflops:,.1f} GFLOP/s ({args.precision}, n={peak_size})")
+    summary.add_row("FLOPs / token", f"{flops / 1e6:,.2f} M")
+    summary.add_row("bare loop tokens/s (median)", f"{bare_median:,.0f}")
+    summary.add_row("bare loop MFU", f"{results['mfu']:.1%}")
+    summary.add_row("trainer tokens/s (median)", f"{trainer_median:,.0f}")
+    summary.add_row("trainer MFU", f"{results['trainer_mfu']:.1%}")
+    summary.add_row("trainer / bare", f"{results['trainer_bare_ratio']:.3f}")
+
+    per_round = Table(title="rounds (trainer, then bare loop)")
+    for column in ("round", "trainer tok/s", "bare tok/s", "trainer / bare"):
+        per_round.add_column(column, justify="right")
+    for i, r in enumerate(rounds, 1):
+        per_round.add_row(
+            str(i), f"{r['trainer_tokens_per_s']:,.0f}", f"{r['bare_tokens_per_s']:,.0f}", f"{r['ratio']:.3f}"
+        )
+
+    console = Console()
+    console.print(summary)
+    console.print(per_round)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
