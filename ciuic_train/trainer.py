@@ -68,7 +68,7 @@ class Trainer:
         if self.data.vocab_size > config.model.vocab_size:
             raise UserError(
                 f"the data has token ids up to {self.data.vocab_size - 1} but "
-                f"model.vocab_size={config.model.vocab_size}"
+                f"model.vocab_size={config.model.vocab_size}; set model.vocab_size={self.data.vocab_size} or more"
             )
         self.tricks = build_tricks(
             config.trick,
@@ -119,9 +119,16 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        imbalance = self.model.expert_load_imbalance()
         self.model.update_expert_bias()
         self.step += 1
-        return {"loss": loss_sum / sum(weights), "lr": lr, "grad_norm": grad_norm.item()}
+        return {
+            "loss": loss_sum / sum(weights),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            # Worst MoE layer's max/mean tokens per expert this step (1.0 is perfect balance).
+            "moe_imbalance": max(imbalance.values(), default=1.0),
+        }
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -169,6 +176,7 @@ class Trainer:
                         "loss": window_loss / window_steps,
                         "lr": figures["lr"],
                         "grad_norm": figures["grad_norm"],
+                        "moe_imbalance": figures["moe_imbalance"],
                         "tokens_per_s": self.tokens_per_step * window_steps / (now - window_start - window_eval),
                         "elapsed_s": now - started,
                         **record,

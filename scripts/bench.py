@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -142,6 +143,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    # Another job on these few cores slows every figure; the load says whether one was running.
+    load_at_start = os.getloadavg()[0]
     logging.getLogger("ciuic_train").setLevel(logging.WARNING)
     config = compose_config(args)
 
@@ -168,6 +171,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
+        "load_avg_1min_at_start": load_at_start,
         "model": args.model,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
@@ -188,6 +192,7 @@ def main() -> None:
     summary = Table(title="ciuic_train bench", show_header=False)
     summary.add_row("torch / threads", f"{results['torch']} / {results['threads']}")
     summary.add_row("cpu", results["cpu"])
+    summary.add_row("load average at start", f"{load_at_start:.2f}")
     summary.add_row(
         "config", f"model={args.model} B={args.batch_size} S={args.seq_len} {args.precision}, {args.steps} steps"
     )

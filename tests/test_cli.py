@@ -11,7 +11,7 @@ SUMMARY_KEYS = {
     "steps", "final_train_loss", "final_val_loss", "tokens_per_s", "wall_s", "world_size",
     "tricks", "n_params", "n_active_params", "param_checksum",
 }
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "moe_imbalance", "tokens_per_s", "elapsed_s"}
 
 
 def test_tiny_run_from_another_folder_writes_the_run_folder(tmp_path: Path):
@@ -85,6 +85,6 @@ def test_a_mistake_found_inside_the_job_removes_the_fresh_run_folder(tmp_path: P
     run_dir = tmp_path / "run"
     result = run_cli("model=tiny", "data=tokens", f"data.path={tmp_path}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].endswith("model.vocab_size=256")
+    assert "model.vocab_size=256; set model.vocab_size=301 or more" in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stdout + result.stderr
     assert not run_dir.exists()

@@ -310,7 +310,8 @@ def count_parameters(model: Transformer) -> tuple[int, int]:
 
     Active counts every parameter except the routed experts a token does not visit:
     n_activated_experts of the n_routed_experts per MoE layer. Both counts include the
-    embedding and the lm head, as DeepSeek's published numbers do. Works on meta models.
+    embedding and the lm head; DeepSeek's published totals do too, their active counts
+    leave the input embedding out. Works on meta models.
     """
     total = sum(p.numel() for p in model.parameters())
     inactive = 0
