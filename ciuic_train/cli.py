@@ -9,7 +9,9 @@ mistake is printed as one line and the process exits with status 2, writing noth
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import shutil
 import sys
 import typing
@@ -22,7 +24,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from ciuic_train.config import Config, register_configs, to_config
@@ -45,15 +47,31 @@ def _hydra_job(cfg: DictConfig) -> float:
     """One training job inside Hydra's run (or sweep) folder; returns the final val loss for sweepers."""
     config = to_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    from ciuic_train.trainer import Trainer  # torch is imported only when a job runs
+    if config.dist.nproc_per_node > 1 and not _under_elastic_agent():
+        return _launch_workers(config, run_dir)
 
+    from ciuic_train.parallel import Parallel, RankInfo  # torch is imported only when a job runs
+    from ciuic_train.trainer import Trainer, resolve_device
+
+    info = RankInfo.from_env()
+    if not info.is_main and config.dist.rank_logs:
+        logging.getLogger().addHandler(_rank_log_handler(run_dir / f"rank{info.rank}.log"))
+    parallel = None
     try:
-        trainer = Trainer(config, run_dir)
+        parallel = Parallel(config.dist, resolve_device(config.device, info.local_rank))
+        _require_same_config(parallel, cfg)
+        trainer = Trainer(config, run_dir, parallel)
         summary = trainer.fit()
+        sample = trainer.sample()
     except UserError as err:
-        _remove_unused_run_dir(run_dir)
+        if info.is_main:
+            _remove_unused_run_dir(run_dir)
         fail(str(err))
-    show_results(summary, trainer.sample(), config.sample.prompt)
+    finally:
+        if parallel is not None:
+            parallel.close()
+    if info.is_main:
+        show_results(summary, sample, config.sample.prompt)
     return summary["final_val_loss"]
 
 
@@ -63,20 +81,124 @@ def main(argv: list[str] | None = None) -> None:
     argv = [a for a in argv if a != PLAN_FLAG]
     if not _INFO_FLAGS.intersection(argv):
         try:
-            configs = check_request(argv)
+            jobs = check_request(argv)
         except UserError as err:
             fail(str(err))
         if plan:
             from ciuic_train.plan import print_plan
 
-            for config in configs:
-                print_plan(config)
+            for job in jobs:
+                print_plan(job.config)
             return
+        if _under_elastic_agent() and jobs:
+            argv += _worker_overrides(jobs[0].run_dir)
     sys.argv = [PROG, *argv]
     try:
         _hydra_job()
     except BrokenPipeError:  # `ciuic-train --help | head`: the reader left, nothing is wrong
         sys.stderr.close()
+
+
+def _under_elastic_agent() -> bool:
+    """A worker started by torchrun or by our own launcher (torch's elastic agent)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _worker_overrides(proposed_run_dir: str) -> list[str]:
+    """Make the ranks of one torchrun job share one run folder, written by rank 0 only.
+
+    Each rank composes its own config, and `${now:}` can differ between them, so the
+    folder is agreed through the elastic agent's store: the first rank to propose one
+    wins, and a restarted worker group finds the same folder again.
+    """
+    overrides = [f"hydra.run.dir={quote_override(_agree_run_dir(proposed_run_dir))}"]
+    if int(os.environ.get("RANK", 0)) != 0:
+        overrides += ["hydra.output_subdir=null", "hydra/job_logging=worker"]
+    return overrides
+
+
+def _agree_run_dir(proposal: str) -> str:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return proposal
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    key = f"ciuic_train/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
+    return store.compare_set(key, "", str(Path(proposal).absolute())).decode()
+
+
+def quote_override(value: str) -> str:
+    """A value that Hydra's override parser reads back verbatim (paths may hold spaces or '=')."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _launch_workers(config: Config, run_dir: Path) -> float:
+    """Start `dist.nproc_per_node` workers on this job's config and folder, as torchrun would."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = config.dist.nproc_per_node
+    # Like torchrun, keep N processes from each starting one thread per core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    overrides = [
+        *HydraConfig.get().overrides.task,
+        f"hydra.run.dir={quote_override(str(run_dir.absolute()))}",
+        "hydra.output_subdir=null",  # this process already wrote .hydra/
+    ]
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=config.dist.max_restarts,
+        monitor_interval=0.5,
+    )
+    log.info(f"starting {nproc} workers (torch elastic launcher) in {run_dir}")
+    try:
+        elastic_launch(launch, sys.executable)("-m", "ciuic_train", *overrides)
+    except ChildFailedError as err:
+        codes = {failure.exitcode for failure in err.failures.values()}
+        if codes == {2}:  # a user error: the worker has already said what it was
+            sys.exit(2)
+        failed = ", ".join(f"rank {rank} exit code {f.exitcode}" for rank, f in sorted(err.failures.items()))
+        fail(f"workers failed ({failed}); see {run_dir / 'train.log'}", status=1)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary["final_val_loss"]
+
+
+def _require_same_config(parallel, cfg: DictConfig) -> None:
+    """Every rank must train under the same resolved config; name the first key that differs."""
+    mine = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    configs = parallel.gather(json.dumps(mine, sort_keys=True))
+    for rank, other in enumerate(configs):
+        if other != configs[0]:
+            key = _first_difference(json.loads(configs[0]), json.loads(other))
+            raise UserError(
+                f"ranks composed different configs: {key} differs between rank 0 and rank {rank} "
+                "(give every rank the same overrides and environment)"
+            )
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(a.keys() | b.keys()):
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else key)
+    return path or "the config"
+
+
+def _rank_log_handler(path: Path) -> logging.Handler:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] - %(message)s"))
+    return handler
 
 
 def _remove_unused_run_dir(run_dir: Path) -> None:
@@ -102,12 +224,20 @@ def show_results(summary: dict[str, Any], sample: str | None, prompt: str) -> No
         console.print(Panel(sample, title=f"sample from prompt {prompt!r}"))
 
 
-def fail(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+def fail(message: str, status: int = 2) -> None:
+    """Report a mistake in one line and exit; under torchrun only rank 0 speaks."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(status)
 
 
-def check_request(argv: list[str]) -> list[Config]:
+@dataclasses.dataclass(frozen=True)
+class CheckedJob:
+    config: Config
+    run_dir: str  # hydra.run.dir as this process resolves it
+
+
+def check_request(argv: list[str]) -> list[CheckedJob]:
     """Compose and check every job the command line asks for, before anything runs."""
     from hydra._internal.utils import get_args_parser
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -128,12 +258,20 @@ def check_request(argv: list[str]) -> list[Config]:
         if not args.multirun and any(o.is_sweep_override() for o in parsed):
             sweep = next(o.input_line for o in parsed if o.is_sweep_override())
             raise UserError(f"{sweep!r} is a sweep; add -m (--multirun) to run one job per value")
+        if args.multirun and _under_elastic_agent():
+            raise UserError(
+                "-m under torchrun would run the whole sweep on every rank; "
+                f"sweep distributed jobs with {PROG} -m ... dist.nproc_per_node=N instead"
+            )
         return [_check_job(job) for job in jobs]
 
 
-def _check_job(overrides: list[str]) -> Config:
+def _check_job(overrides: list[str]) -> CheckedJob:
     try:
-        cfg = hydra.compose(config_name=CONFIG_NAME, overrides=overrides)
+        cfg = hydra.compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=True)
+        run_dir = str(cfg.hydra.run.dir)
+        with open_dict(cfg):
+            del cfg["hydra"]  # its sweep keys only resolve inside a running sweep
         config = to_config(cfg)
     except MissingConfigException as err:
         raise UserError(_unknown_option(err)) from None
@@ -147,7 +285,7 @@ def _check_job(overrides: list[str]) -> Config:
     from ciuic_train.data import find_sources  # fails fast on a missing corpus, before any folder exists
 
     find_sources(config.data)
-    return config
+    return CheckedJob(config, run_dir)
 
 
 def _unknown_option(err: MissingConfigException) -> str:

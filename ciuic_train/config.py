@@ -30,6 +30,23 @@ class Precision(Enum):
     bf16 = "bf16"
 
 
+class Strategy(Enum):
+    """How the model is replicated across ranks; `auto` is ddp when world size > 1, else none."""
+
+    auto = "auto"
+    none = "none"
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
+class Backend(Enum):
+    """Collective backend; `auto` is nccl on CUDA, gloo on CPU."""
+
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
 class Progress(Enum):
     """How training progress is shown: `auto` is a rich bar on a terminal, plain lines otherwise."""
 
@@ -78,6 +95,21 @@ class TrainConfig:
 
 
 @dataclass
+class DistConfig:
+    strategy: Strategy = Strategy.auto
+    backend: Backend = Backend.auto
+    # >1: `ciuic-train` starts this many workers itself through torch's elastic launcher
+    # (as torchrun would); under torchrun it is ignored and the environment decides.
+    nproc_per_node: int = 1
+    # Worker-group restarts the CLI's launcher allows (torchrun: --max-restarts).
+    max_restarts: int = 0
+    # Seconds a collective may wait: a dead rank makes the others fail instead of hang.
+    timeout_s: int = 300
+    # Ranks other than 0 print warnings only; true also gives each a rank<N>.log file.
+    rank_logs: bool = False
+
+
+@dataclass
 class SampleConfig:
     """The text generated after training, so a user sees what the model learnt."""
 
@@ -98,10 +130,15 @@ class Config:
     trick: Dict[str, Any] = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     seed: int = 0
     device: Device = Device.auto
     precision: Precision = Precision.fp32
     progress: Progress = Progress.auto
+    # torch.compile each transformer block (inductor; needs a C++ compiler on CPU).
+    compile: bool = False
+    # Recompute each block's activations in backward instead of storing them.
+    activation_checkpointing: bool = False
 
 
 def register_configs() -> None:
@@ -149,5 +186,9 @@ def validate(config: Config) -> None:
         raise UserError("sample.prompt must not be empty")
     if config.sample.max_new_tokens < 0:
         raise UserError(f"sample.max_new_tokens={config.sample.max_new_tokens} must be 0 (no sample) or more")
+    if config.dist.nproc_per_node < 1:
+        raise UserError(f"dist.nproc_per_node={config.dist.nproc_per_node} must be at least 1")
+    if config.dist.timeout_s < 1:
+        raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
     if config.sample.temperature <= 0:
         raise UserError(f"sample.temperature={config.sample.temperature} must be positive")

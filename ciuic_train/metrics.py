@@ -22,17 +22,22 @@ log = logging.getLogger("ciuic_train")
 
 
 class MetricsFile:
-    """One JSON object per logged step, appended and flushed so a crash loses nothing logged."""
+    """One JSON object per logged step, appended and flushed so a crash loses nothing logged.
 
-    def __init__(self, path: Path):
-        self._file = open(path, "a", encoding="utf-8")
+    Without a path (ranks other than 0) it writes nothing.
+    """
+
+    def __init__(self, path: Path | None):
+        self._file = open(path, "a", encoding="utf-8") if path is not None else None
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def format_step(record: dict[str, Any]) -> str:
@@ -48,10 +53,11 @@ def format_step(record: dict[str, Any]) -> str:
 
 
 class ProgressDisplay:
-    """A rich bar on a terminal, plain log lines otherwise."""
+    """A rich bar on a terminal, plain log lines otherwise; nothing on ranks other than 0."""
 
-    def __init__(self, total_steps: int, mode: str):
-        self.rich = mode == "rich" or (mode == "auto" and sys.stdout.isatty())
+    def __init__(self, total_steps: int, mode: str, enabled: bool = True):
+        self.enabled = enabled
+        self.rich = enabled and (mode == "rich" or (mode == "auto" and sys.stdout.isatty()))
         self.total_steps = total_steps
         self._progress: Progress | None = None
         self._detached: list[tuple[logging.Logger, logging.Handler]] = []
@@ -81,6 +87,8 @@ class ProgressDisplay:
             self._progress.update(self._task, completed=step)
 
     def report(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         line = format_step(record)
         log.info(line)
         if self._progress is not None:

@@ -6,7 +6,6 @@ loss, micro-batch weights); the loop below reads the same with or without them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -32,34 +31,31 @@ from ciuic_train.errors import UserError
 from ciuic_train.metrics import MetricsFile, ProgressDisplay
 from ciuic_train.model import Transformer, count_parameters, generate
 from ciuic_train.optim import WarmupCosine, build_optimizer
+from ciuic_train.parallel import Parallel, param_checksum
 from ciuic_train.tricks import TrickContext, build_tricks
 
 log = logging.getLogger("ciuic_train")
 
 
-def resolve_device(choice: Device) -> torch.device:
+def resolve_device(choice: Device, local_rank: int = 0) -> torch.device:
     if choice is Device.cuda and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA device is available; use device=cpu or device=auto")
-    if choice is Device.auto:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice.value)
-
-
-def param_checksum(model: torch.nn.Module) -> str:
-    """A hash of every parameter's name and bytes: equal only for bit-identical weights."""
-    digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters()):
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    if choice is Device.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 class Trainer:
-    def __init__(self, config: Config, run_dir: Path):
+    """Builds everything a run needs from the config, then `fit()` trains it."""
+
+    def __init__(self, config: Config, run_dir: Path, parallel: Parallel | None = None):
         self.config = config
         self.run_dir = run_dir
-        self.device = resolve_device(config.device)
+        self.parallel = parallel or Parallel(config.dist, resolve_device(config.device))
+        self.device = self.parallel.device
         train = config.train
+        rank, world = self.parallel.info.rank, self.parallel.world_size
 
         random.seed(config.seed)
         torch.manual_seed(config.seed)
@@ -72,36 +68,44 @@ class Trainer:
             )
         self.tricks = build_tricks(
             config.trick,
-            TrickContext(config.seed, rank=0, world_size=1, max_steps=train.max_steps, grad_accum=train.grad_accum),
+            TrickContext(config.seed, rank, world, max_steps=train.max_steps, grad_accum=train.grad_accum),
         )
 
-        self.model = Transformer(config.model).to(self.device)
-        self.tricks.init_weights(self.model)
-        self.optimizer = build_optimizer(self.model, config.optim, train.lr)
+        # Every rank builds the same weights from the same seed; DDP also broadcasts rank 0's.
+        self.module = Transformer(config.model).to(self.device)
+        self.tricks.init_weights(self.module)
+        self.module.activation_checkpointing = config.activation_checkpointing
+        if config.compile:
+            for block in self.module.layers:
+                block.compile()
+        self.model = self.parallel.wrap(self.module)
+        self.optimizer = build_optimizer(self.module, config.optim, train.lr)
         self.schedule = WarmupCosine(train.lr, train.warmup_steps, train.max_steps, config.optim.min_lr_ratio)
         self.sampler = WindowSampler(
-            n_windows(self.data.train, train.seq_len), config.seed, order=self.tricks.order_indices
+            n_windows(self.data.train, train.seq_len), config.seed, rank, world, order=self.tricks.order_indices
         )
-        self.val_windows = eval_indices(self.data.val, train.seq_len, train.eval_batches * train.batch_size)
+        # Each rank evaluates its own slice of the fixed validation windows.
+        val_windows = eval_indices(self.data.val, train.seq_len, train.eval_batches * train.batch_size)
+        self.val_windows = val_windows[rank::world]
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if config.precision is Precision.bf16
             else nullcontext()
         )
-        self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum
+        self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum * world
         self.step = 0
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         with self.autocast:
             logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
 
     def _batch(self, indices: torch.Tensor, split) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = get_batch(split, indices, self.config.train.seq_len)
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step over `grad_accum` micro-batches; returns its figures."""
+        """One optimizer step over `grad_accum` micro-batches; returns its figures (this rank's loss)."""
         train = self.config.train
         lr = self.tricks.lr_at(self.step, self.schedule)
         for group in self.optimizer.param_groups:
@@ -109,53 +113,59 @@ class Trainer:
 
         loss_sum = 0.0
         weights = self.tricks.micro_batch_weights(self.step, train.grad_accum)
-        for weight in weights:
+        for i, weight in enumerate(weights):
             inputs, targets = self._batch(self.sampler.next_indices(train.batch_size), self.data.train)
-            loss = self.tricks.transform_loss(self._loss(inputs, targets), self.step)
-            (loss * weight).backward()
+            # Gradients cross ranks once per optimizer step, on the last micro-batch.
+            with self.parallel.grad_sync(self.model, enabled=i == len(weights) - 1):
+                loss = self.tricks.transform_loss(self._loss(inputs, targets), self.step)
+                (loss * weight).backward()
             loss_sum += loss.item() * weight
 
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        imbalance = self.model.expert_load_imbalance()
-        self.model.update_expert_bias()
+        imbalance = self.module.expert_load_imbalance()
+        self.module.update_expert_bias(all_reduce=self.parallel.all_reduce_sum_)
         self.step += 1
         return {
             "loss": loss_sum / sum(weights),
             "lr": lr,
-            "grad_norm": grad_norm.item(),
+            "grad_norm": grad_norm,
             # Worst MoE layer's max/mean tokens per expert this step (1.0 is perfect balance).
             "moe_imbalance": max(imbalance.values(), default=1.0),
         }
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean loss per token over the fixed validation windows, whatever the world size."""
         was_training = self.model.training
         self.model.eval()
         batch_size = self.config.train.batch_size
-        losses = [
-            self._loss(*self._batch(self.val_windows[i : i + batch_size], self.data.val)).item()
-            for i in range(0, len(self.val_windows), batch_size)
-        ]
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i in range(0, len(self.val_windows), batch_size):
+            inputs, targets = self._batch(self.val_windows[i : i + batch_size], self.data.val)
+            totals[0] += self._loss(inputs, targets, reduction="sum").double()
+            totals[1] += targets.numel()
         self.model.train(was_training)
-        return sum(losses) / len(losses)
+        self.parallel.all_reduce_sum_(totals)
+        return (totals[0] / totals[1]).item()
 
     def fit(self) -> dict[str, Any]:
         train = self.config.train
-        n_params, n_active = count_parameters(self.model)
+        n_params, n_active = count_parameters(self.module)
         log.info(
             f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active) on {self.device}; "
             f"data {self.data.description}: {len(self.data.train):,} train / {len(self.data.val):,} val tokens"
         )
-        metrics = MetricsFile(self.run_dir / "metrics.jsonl")
+        is_main = self.parallel.is_main
+        metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None)
         started = time.perf_counter()
         # Throughput counts the whole loop (data, step, logging) but not evaluation.
         eval_seconds, window_start, window_eval, window_steps = 0.0, started, 0.0, 0
         window_loss, last_val = 0.0, float("nan")
         self.model.train()
-        with ProgressDisplay(train.max_steps, self.config.progress.value) as progress:
+        with ProgressDisplay(train.max_steps, self.config.progress.value, enabled=is_main) as progress:
             while self.step < train.max_steps:
                 figures = self.train_step()
                 window_steps += 1
@@ -173,7 +183,7 @@ class Trainer:
                     now = time.perf_counter()
                     record = {
                         "step": self.step,
-                        "loss": window_loss / window_steps,
+                        "loss": self.parallel.mean(window_loss / window_steps),
                         "lr": figures["lr"],
                         "grad_norm": figures["grad_norm"],
                         "moe_imbalance": figures["moe_imbalance"],
@@ -190,6 +200,8 @@ class Trainer:
         metrics.close()
         wall = time.perf_counter() - started
 
+        checksum = param_checksum(self.module)
+        self.parallel.require_same(checksum, "param_checksum")
         summary = {
             "steps": self.step,
             "final_train_loss": final_train_loss,
@@ -197,17 +209,19 @@ class Trainer:
             "unigram_entropy": unigram_entropy(self.data.train, self.data.vocab_size),
             "tokens_per_s": self.tokens_per_step * self.step / (wall - eval_seconds),
             "wall_s": wall,
-            "world_size": 1,
+            "world_size": self.parallel.world_size,
+            "strategy": self.parallel.strategy.value,
             "tricks": self.tricks.names,
             "n_params": n_params,
             "n_active_params": n_active,
-            "param_checksum": param_checksum(self.model),
+            "param_checksum": checksum,
             "model": self.config.model.name,
             "device": str(self.device),
             "precision": self.config.precision.value,
         }
-        write_json_atomic(self.run_dir / "summary.json", summary)
-        log.info("summary " + json.dumps(summary))
+        if is_main:
+            write_json_atomic(self.run_dir / "summary.json", summary)
+            log.info("summary " + json.dumps(summary))
         return summary
 
     def sample(self) -> str | None:
@@ -218,8 +232,15 @@ class Trainer:
         prompt = torch.tensor([list(cfg.prompt.encode("utf-8"))], dtype=torch.long, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         with self.autocast:
-            out = generate(self.model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
+            out = generate(self.module, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def full_value(tensor: torch.Tensor) -> float:
+    """A scalar as a float, gathering it first if it is a sharded (FSDP2) DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).item()
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:

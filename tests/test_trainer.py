@@ -10,7 +10,8 @@ from ciuic_train.config import Precision
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
 from ciuic_train.optim import WarmupCosine, build_optimizer
-from ciuic_train.trainer import Trainer, param_checksum
+from ciuic_train.parallel import param_checksum
+from ciuic_train.trainer import Trainer
 from ciuic_train.tricks import Trick, TrickContext, TrickSet, build_tricks
 from conftest import compose_config
 

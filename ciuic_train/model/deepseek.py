@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ciuic_train.model.config import ModelConfig
 
@@ -226,6 +227,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
+        # Recompute each block's activations in backward instead of keeping them (memory for time).
+        self.activation_checkpointing = False
         # Recomputable from the config, so kept out of checkpoints.
         half_rope = cfg.qk_rope_head_dim // 2
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half_rope), persistent=False)
@@ -267,7 +270,10 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
     def moe_layers(self) -> dict[int, MoE]:

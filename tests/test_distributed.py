@@ -1,0 +1,118 @@
+"""Real multi-process training with the gloo backend: torchrun, two 'nodes', the CLI's own launcher.
+
+Each test starts real processes (about 6-10 s each on 2 cores), so there are few of them.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+TINY = ["model=tiny", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain"]
+
+
+def torchrun(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def corpus_args(text_corpus: Path, tmp_path: Path) -> list[str]:
+    return ["data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+def test_torchrun_ranks_share_one_run_folder_written_by_rank_0(tmp_path, text_corpus):
+    """No hydra.run.dir: each rank resolves ${now:} itself, yet one folder must result."""
+    result = torchrun(
+        "--nproc_per_node=2", "-m", "ciuic_train", *TINY, *corpus_args(text_corpus, tmp_path),
+        "train.max_steps=12", "train.log_every=4", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = [p.parent for p in (tmp_path / "outputs").glob("*/*/summary.json")]
+    assert len(list((tmp_path / "outputs").glob("*/*"))) == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
+    assert [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == [4, 8, 12]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "metrics.jsonl", "summary.json", "train.log"]
+    assert result.stdout.count("step 12 |") == 1  # rank 0 alone reports
+
+
+def test_two_nodes_over_c10d_rendezvous_agree(tmp_path, text_corpus):
+    port, run_dir = free_port(), tmp_path / "run"
+    common = [
+        "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=two-nodes", "-m", "ciuic_train", *TINY, *corpus_args(text_corpus, tmp_path),
+        "train.max_steps=6", f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--node_rank={rank}", *common],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # The run fails on every rank if the replicas' checksums differ; it passed, and says so.
+    assert summary["world_size"] == 2 and len(summary["param_checksum"]) == 16
+
+
+def test_ddp_two_ranks_match_one_process_with_the_double_batch(tmp_path, text_corpus):
+    """Rank shares of the epoch are strided, so ranks' batches of B together are the one-process batch of 2B.
+
+    The gradients are then equal up to float summation order (all-reduce of two halves
+    vs one sum), about 1e-7 relative per step; Adam's normalisation keeps later steps
+    close, so 10 steps agree to rtol 1e-4.
+    """
+    common = [*TINY, *corpus_args(text_corpus, tmp_path), "train.max_steps=10", "train.log_every=1", "train.eval_every=100"]
+    ddp = torchrun("--nproc_per_node=2", "-m", "ciuic_train", *common, "train.batch_size=4",
+                   f"hydra.run.dir={tmp_path / 'ddp'}", cwd=tmp_path)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    single = run_cli(*common, "train.batch_size=8", f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path)
+    assert single.returncode == 0, single.stderr
+    assert len(losses(tmp_path / "ddp")) == 10
+    assert losses(tmp_path / "ddp") == pytest.approx(losses(tmp_path / "single"), rel=1e-4)
+    assert losses(tmp_path / "ddp")[-1] < losses(tmp_path / "ddp")[0]
+
+
+def test_cli_launcher_trains_fsdp_on_two_processes(tmp_path, text_corpus):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "dist.nproc_per_node=2", "dist.strategy=fsdp", *TINY, *corpus_args(text_corpus, tmp_path),
+        "train.max_steps=12", "train.log_every=4", "train.grad_accum=2", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == "fsdp"
+    assert losses(run_dir)[-1] < losses(run_dir)[0] - 0.3
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+
+
+def test_ranks_with_different_configs_are_refused(tmp_path, text_corpus):
+    result = torchrun(
+        "--nproc_per_node=2", "-m", "ciuic_train", *TINY, *corpus_args(text_corpus, tmp_path),
+        "seed=${oc.env:RANK}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+    )
+    assert result.returncode != 0
+    assert "ranks composed different configs: seed differs between rank 0 and rank 1" in result.stderr
+    assert not (tmp_path / "run").exists()
