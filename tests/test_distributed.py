@@ -116,3 +116,15 @@ def test_ranks_with_different_configs_are_refused(tmp_path, text_corpus):
     assert result.returncode != 0
     assert "ranks composed different configs: seed differs between rank 0 and rank 1" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_sweep_runs_each_job_on_two_processes(tmp_path, text_corpus):
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "-m", "seed=0,1", "dist.nproc_per_node=2", *TINY, *corpus_args(text_corpus, tmp_path),
+        "train.max_steps=4", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads((sweep_dir / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["world_size"] for s in summaries] == [2, 2]
+    assert summaries[0]["param_checksum"] != summaries[1]["param_checksum"]

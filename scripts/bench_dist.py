@@ -1,0 +1,330 @@
+"""Benchmark multi-process training on CPU: one process using every core vs two DDP processes.
+
+Two questions, one run:
+
+1. Throughput. The real CLI trains `--steps` steps as 1 process x all cores' threads and
+   as 2 processes (DDP over gloo) x half the threads each; tokens/s comes from each run's
+   summary.json (global tokens/s of the training loop, evaluation excluded, start-up and
+   the first steps included). With the same per-rank batch, 2 processes train twice the
+   tokens per step, so 1 process is also run at twice the batch: that pair compares the
+   same global batch. The cases alternate within each round and the order flips every
+   round, so machine noise and drift land on every case.
+
+2. Communication share. Under torchrun, each of 2 workers (this file, `--worker`) builds
+   three Trainers on the same config, differing only in the DDP communication hook; a hook
+   cannot be re-registered on an existing DDP model, hence three. Their `train_step()`s are
+   timed alternately, step by step, in the same processes:
+   - ddp: DDP's own bucketed all-reduce, overlapped with backward (what training does);
+   - nocomm: a hook that returns each bucket's own gradient, so no gradient leaves the rank;
+   - serial: a hook that all-reduces each bucket synchronously and times it, so backward
+     waits for it. Its sum per step is the raw all-reduce time, including the wait for the
+     slower rank to reach the same bucket. An async all-reduce timed to its future's
+     completion would overlap backward and bill compute to communication, hence blocking.
+   share = (ddp - nocomm) / ddp is the step time gradient communication costs. The small
+   MoE expert-bias all-reduce at the end of each step runs in all three variants.
+
+    python scripts/bench_dist.py [--model small] [--steps 20] [--rounds 2] [--batch-size 8]
+                                 [--comm-steps 8] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ciuic_train.cli import quote_override
+
+NPROC = 2
+# Untimed steps of each Trainer before the comm timing: DDP rebuilds its buckets after
+# the first step, and lazy setup (allocator, oneDNN primitives) should not be billed.
+WARMUP_STEPS = 2
+# A hung collective or launcher fails the benchmark instead of stalling it.
+RUN_TIMEOUT_S = 900
+
+progress = Console(stderr=True)
+
+
+# ---------------------------------------------------------------------------- worker
+
+
+def no_comm_hook(state, bucket):
+    """Skip the all-reduce: the bucket's local gradient, as an already completed future."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def serial_all_reduce_hook(seconds: list[float], bucket):
+    """Average the bucket across ranks, blocking backward meanwhile, and record how long it took."""
+    import torch.distributed as dist
+
+    grad = bucket.buffer()
+    tic = time.perf_counter()
+    dist.all_reduce(grad)
+    seconds.append(time.perf_counter() - tic)
+    grad.div_(dist.get_world_size())
+    fut = torch.futures.Future()
+    fut.set_result(grad)
+    return fut
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Time the three DDP variants step by step; rank 0 prints one JSON line."""
+    import logging
+
+    import torch.distributed as dist
+    from hydra import compose, initialize_config_module
+
+    from ciuic_train.config import register_configs, to_config
+    from ciuic_train.parallel import Parallel
+    from ciuic_train.trainer import Trainer
+
+    logging.getLogger("ciuic_train").setLevel(logging.WARNING)
+    overrides = [
+        f"model={args.model}",
+        f"train.batch_size={args.batch_size}",
+        "device=cpu",
+        "dist.strategy=ddp",
+        "dist.backend=gloo",
+    ]
+    register_configs()
+    with initialize_config_module(config_module="ciuic_train.conf", version_base="1.3"):
+        config = to_config(compose(config_name="config", overrides=overrides))
+
+    parallel = Parallel(config.dist, torch.device("cpu"))
+    serial_seconds: list[float] = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainers = {name: Trainer(config, Path(run_dir), parallel) for name in ("ddp", "nocomm", "serial")}
+    trainers["nocomm"].model.register_comm_hook(state=None, hook=no_comm_hook)
+    trainers["serial"].model.register_comm_hook(state=serial_seconds, hook=serial_all_reduce_hook)
+
+    step_s: dict[str, list[float]] = {name: [] for name in trainers}
+    all_reduce_s: list[float] = []
+    buckets: list[int] = []
+    for i in range(WARMUP_STEPS + args.comm_steps):
+        order = list(trainers) if i % 2 == 0 else list(reversed(trainers))
+        for name in order:
+            serial_seconds.clear()
+            dist.barrier()  # both ranks start the step together
+            tic = time.perf_counter()
+            trainers[name].train_step()
+            elapsed = time.perf_counter() - tic
+            if i >= WARMUP_STEPS:
+                step_s[name].append(elapsed)
+                if name == "serial":
+                    all_reduce_s.append(sum(serial_seconds))
+                    buckets.append(len(serial_seconds))
+
+    if parallel.is_main:
+        grad_bytes = sum(p.numel() * p.element_size() for p in trainers["ddp"].module.parameters() if p.requires_grad)
+        print(
+            json.dumps(
+                {
+                    "world_size": parallel.world_size,
+                    "threads_per_rank": torch.get_num_threads(),
+                    "batch_size_per_rank": args.batch_size,
+                    "grad_mbytes": grad_bytes / 2**20,
+                    "buckets_per_step": statistics.median(buckets),
+                    "step_s": step_s,
+                    "all_reduce_s": all_reduce_s,
+                }
+            ),
+            flush=True,
+        )
+    parallel.close()
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log_path: Path) -> str:
+    """Run a command with its output in a log; on failure, raise with the log's tail."""
+    with open(log_path, "w", encoding="utf-8") as log:
+        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=RUN_TIMEOUT_S)
+        log.write(done.stdout)
+    if done.returncode != 0:
+        tail = "\n".join(log_path.read_text(encoding="utf-8").splitlines()[-20:])
+        raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}:\n{tail}")
+    return done.stdout
+
+
+def cli_tokens_per_s(case: dict, args: argparse.Namespace, work: Path, tag: str) -> float:
+    """One training run through the real CLI; its summary.json's global tokens/s."""
+    run_dir = work / tag
+    cmd = [
+        sys.executable, "-m", "ciuic_train",
+        f"model={args.model}",
+        f"train.max_steps={args.steps}",
+        f"train.batch_size={case['batch_size']}",
+        f"hydra.run.dir={quote_override(str(run_dir))}",
+        "progress=plain",
+        "sample.max_new_tokens=0",
+        "train.eval_every=100000",
+        "train.eval_batches=1",
+    ]  # fmt: skip
+    if case["nproc"] > 1:
+        cmd.append(f"dist.nproc_per_node={case['nproc']}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(case["threads"])}
+    run_logged(cmd, env, work / f"{tag}.log")
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["world_size"] == case["nproc"], summary
+    return summary["tokens_per_s"]
+
+
+def comm_share(args: argparse.Namespace, threads: int, work: Path) -> dict:
+    """The worker's step times under torchrun, reduced to medians and the comm share."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
+        __file__, "--worker",
+        f"--model={args.model}", f"--batch-size={args.batch_size}", f"--comm-steps={args.comm_steps}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    stdout = run_logged(cmd, env, work / "comm.log")
+    raw = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+    median = {name: statistics.median(times) for name, times in raw["step_s"].items()}
+    all_reduce = statistics.median(raw["all_reduce_s"])
+    return {
+        **raw,
+        "median_step_s": median,
+        "median_all_reduce_s": all_reduce,
+        "comm_share": (median["ddp"] - median["nocomm"]) / median["ddp"],
+        "serial_all_reduce_share": all_reduce / median["serial"],
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per CLI run")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every CLI case, interleaved")
+    parser.add_argument("--batch-size", type=int, default=8, help="per-rank batch")
+    parser.add_argument("--comm-steps", type=int, default=8, help="timed steps of each DDP variant")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> None:
+    # Another job on these few cores slows every figure; the load says whether one was running.
+    load_at_start = os.getloadavg()[0]
+    started = time.perf_counter()
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // NPROC)
+    b = args.batch_size
+    cases = {
+        f"1x{cores} B{b}": {"nproc": 1, "threads": cores, "batch_size": b},
+        f"{NPROC}x{threads} B{b}": {"nproc": NPROC, "threads": threads, "batch_size": b},
+        f"1x{cores} B{NPROC * b}": {"nproc": 1, "threads": cores, "batch_size": NPROC * b},
+    }
+    single, multi, single_big = cases
+
+    rounds: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_dist_") as tmp:
+        work = Path(tmp)
+        for r in range(args.rounds):
+            order = list(cases) if r % 2 == 0 else list(reversed(cases))
+            figures = {}
+            for name in order:
+                progress.print(f"round {r + 1}/{args.rounds}: {name} ...")
+                figures[name] = cli_tokens_per_s(cases[name], args, work, f"r{r}-{name.replace(' ', '-')}")
+            rounds.append({name: figures[name] for name in cases})
+            progress.print(f"round {r + 1}: " + ", ".join(f"{n} {v:,.0f} tok/s" for n, v in rounds[-1].items()))
+        progress.print(f"comm share: {NPROC} workers x 3 DDP variants, {args.comm_steps} timed steps each ...")
+        comm = comm_share(args, threads, work)
+
+    medians = {name: statistics.median(r[name] for r in rounds) for name in cases}
+    ratios = {
+        "same_rank_batch": medians[multi] / medians[single],
+        "same_global_batch": medians[multi] / medians[single_big],
+    }
+    results = {
+        "torch": torch.__version__,
+        "cores": cores,
+        "load_avg_1min_at_start": load_at_start,
+        "load_avg_1min_at_end": os.getloadavg()[0],
+        "model": args.model,
+        "batch_size_per_rank": b,
+        "steps": args.steps,
+        "cases": cases,
+        "rounds": rounds,
+        "median_tokens_per_s": medians,
+        "ratio_multi_over_single": ratios,
+        "comm": comm,
+        "wall_s": time.perf_counter() - started,
+    }
+    show(results, single, multi, single_big)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+
+def show(results: dict, single: str, multi: str, single_big: str) -> None:
+    console = Console()
+    summary = Table(title="ciuic_train distributed bench", show_header=False)
+    summary.add_row("torch / cores", f"{results['torch']} / {results['cores']}")
+    summary.add_row(
+        "load average (1 min) start / end",
+        f"{results['load_avg_1min_at_start']:.2f} / {results['load_avg_1min_at_end']:.2f}",
+    )
+    summary.add_row(
+        "config",
+        f"model={results['model']}, per-rank batch {results['batch_size_per_rank']}, {results['steps']} steps per run",
+    )
+    summary.add_row("wall time", f"{results['wall_s']:.0f} s")
+    console.print(summary)
+
+    rounds = results["rounds"]
+    per_round = Table(title="global tokens/s (CLI summary.json); NxT = processes x threads, B = per-rank batch")
+    for column in ("round", *rounds[0], f"{multi} / {single}", f"{multi} / {single_big}"):
+        per_round.add_column(column, justify="right")
+    for i, r in enumerate(rounds, 1):
+        per_round.add_row(
+            str(i), *(f"{v:,.0f}" for v in r.values()), f"{r[multi] / r[single]:.2f}", f"{r[multi] / r[single_big]:.2f}"
+        )
+    medians, ratios = results["median_tokens_per_s"], results["ratio_multi_over_single"]
+    per_round.add_row(
+        "median",
+        *(f"{v:,.0f}" for v in medians.values()),
+        f"{ratios['same_rank_batch']:.2f}",
+        f"{ratios['same_global_batch']:.2f}",
+    )
+    console.print(per_round)
+    console.print(
+        f"{multi} trains {NPROC}x the tokens of {single} per step; {single_big} has the same global batch as {multi}."
+    )
+
+    comm = results["comm"]
+    median = comm["median_step_s"]
+    table = Table(
+        title=f"DDP step time, {comm['world_size']} ranks x {comm['threads_per_rank']} thread(s), "
+        f"batch {comm['batch_size_per_rank']}/rank (median of {len(comm['step_s']['ddp'])} steps)",
+        show_header=False,
+    )
+    table.add_row("ddp (overlapped all-reduce)", f"{median['ddp'] * 1e3:,.0f} ms")
+    table.add_row("nocomm (hook skips all-reduce)", f"{median['nocomm'] * 1e3:,.0f} ms")
+    table.add_row("comm share (ddp - nocomm) / ddp", f"{comm['comm_share']:.1%}")
+    table.add_row("serial (blocking all-reduce hook)", f"{median['serial'] * 1e3:,.0f} ms")
+    table.add_row(
+        "raw all-reduce per step (blocking)",
+        f"{comm['median_all_reduce_s'] * 1e3:,.0f} ms = {comm['serial_all_reduce_share']:.1%} of serial step, "
+        f"{comm['grad_mbytes']:.1f} MiB in {comm['buckets_per_step']:g} buckets",
+    )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    cli_args = parse_args()
+    if cli_args.worker:
+        worker(cli_args)
+    else:
+        main(cli_args)
