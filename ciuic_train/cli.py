@@ -36,6 +36,7 @@ CONFIG_NAME = "config"
 # Flags that only print information: Hydra answers them without running a job.
 _INFO_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--info", "-i", "--shell-completion", "-sc"}
 PLAN_FLAG = "--plan"
+LIST_TRICKS_FLAG = "--list-tricks"
 
 log = logging.getLogger("ciuic_train")
 
@@ -77,6 +78,9 @@ def _hydra_job(cfg: DictConfig) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if LIST_TRICKS_FLAG in argv:
+        list_tricks()
+        return
     plan = PLAN_FLAG in argv
     argv = [a for a in argv if a != PLAN_FLAG]
     if not _INFO_FLAGS.intersection(argv):
@@ -97,6 +101,25 @@ def main(argv: list[str] | None = None) -> None:
         _hydra_job()
     except BrokenPipeError:  # `ciuic-train --help | head`: the reader left, nothing is wrong
         sys.stderr.close()
+
+
+def list_tricks() -> None:
+    """One line per trick, with its parameters and how to select it."""
+    import dataclasses as dc
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ciuic_train.tricks import registry
+
+    table = Table(title=escape("tricks: +trick=NAME, several: '+trick=[a,b]', parameters: trick.NAME.PARAM=VALUE"))
+    for column in ("name", "what it does", "parameters (defaults)"):
+        table.add_column(column)
+    for name, cls in sorted(registry().items()):
+        defaults = ", ".join(f"{f.name}={getattr(cls.Params(), f.name)}" for f in dc.fields(cls.Params))
+        table.add_row(name, cls.summary, defaults)
+    Console().print(table)
 
 
 def _under_elastic_agent() -> bool:
@@ -327,8 +350,14 @@ def _describe_omegaconf(err: OmegaConfBaseException) -> str:
 
 def _schema_keys(path: str) -> list[str] | None:
     """The keys the schema allows under a dotted path, or None if that is not a typed section."""
+    parts = [p for p in path.split(".") if p]
+    if len(parts) == 2 and parts[0] == "trick":
+        from ciuic_train.tricks import registry
+
+        cls = registry().get(parts[1])
+        return [f.name for f in dataclasses.fields(cls.Params)] if cls else None
     node: Any = Config
-    for part in filter(None, path.split(".")):
+    for part in parts:
         node = typing.get_type_hints(node).get(part)
         if not dataclasses.is_dataclass(node):
             return None

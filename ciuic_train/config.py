@@ -61,6 +61,8 @@ class DataConfig:
     # text: a file, folder or glob of text files; tokens: uint16 .bin memmap(s).
     name: str = "stdlib"
     path: str = ""
+    # false: each epoch visits the windows in corpus order (ranks still take strided shares).
+    shuffle: bool = True
     # Fraction of files (or, with a single file, of tokens) held out for validation.
     val_fraction: float = 0.05
     # Where tokenized corpora are cached; empty means $XDG_CACHE_HOME/ciuic-train.
@@ -190,5 +192,8 @@ def validate(config: Config) -> None:
         raise UserError(f"dist.nproc_per_node={config.dist.nproc_per_node} must be at least 1")
     if config.dist.timeout_s < 1:
         raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
+    from ciuic_train.tricks import check_tricks  # imports torch: only once the config is typed
+
+    check_tricks(config.trick)
     if config.sample.temperature <= 0:
         raise UserError(f"sample.temperature={config.sample.temperature} must be positive")

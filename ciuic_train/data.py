@@ -191,7 +191,7 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 
 
 class WindowSampler:
-    """Yields batches of window indices over one rank's share of a shuffled epoch.
+    """Yields batches of window indices over one rank's share of a (by default shuffled) epoch.
 
     Window i covers tokens [i*seq_len, i*seq_len + seq_len] (one extra for the shifted
     target). Each epoch is a permutation drawn from a generator seeded by (seed, epoch),
@@ -200,7 +200,9 @@ class WindowSampler:
     is the seam through which a trick may reorder a rank's share.
     """
 
-    def __init__(self, n_windows: int, seed: int, rank: int = 0, world_size: int = 1, order=None):
+    def __init__(
+        self, n_windows: int, seed: int, rank: int = 0, world_size: int = 1, order=None, shuffle: bool = True
+    ):
         if n_windows < world_size:
             raise UserError(f"the training split has {n_windows} windows, fewer than {world_size} ranks")
         self.n_windows = n_windows
@@ -208,13 +210,17 @@ class WindowSampler:
         self.rank = rank
         self.world_size = world_size
         self.order = order
+        self.shuffle = shuffle
         self.epoch = 0
         self.position = 0
         self._share = self._epoch_share()
 
     def _epoch_share(self) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        perm = torch.randperm(self.n_windows, generator=generator)
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            perm = torch.randperm(self.n_windows, generator=generator)
+        else:
+            perm = torch.arange(self.n_windows)
         usable = self.n_windows - self.n_windows % self.world_size
         share = perm[:usable][self.rank :: self.world_size]
         return self.order(share, self.epoch) if self.order is not None else share

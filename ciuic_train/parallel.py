@@ -15,7 +15,7 @@ import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -106,6 +106,18 @@ class Parallel:
                 fully_shard(block)
             fully_shard(model)
         return model
+
+    def register_comm_hook(self, model: nn.Module, hook: tuple[str, Any, Callable] | None) -> None:
+        """Install a trick's DDP communication hook, or say why it cannot act."""
+        if hook is None:
+            return
+        owner, state, fn = hook
+        if self.strategy is Strategy.ddp:
+            model.register_comm_hook(state, fn)
+        elif self.strategy is Strategy.fsdp:
+            raise UserError(f"trick {owner} needs DDP's communication hook, which dist.strategy=fsdp does not have")
+        else:
+            log.warning(f"trick {owner}: world size 1, no gradient all-reduce to act on")
 
     def grad_sync(self, model: nn.Module, enabled: bool):
         """Context for one micro-batch's backward: gradients are reduced only when enabled."""

@@ -68,7 +68,7 @@ class Trainer:
             )
         self.tricks = build_tricks(
             config.trick,
-            TrickContext(config.seed, rank, world, max_steps=train.max_steps, grad_accum=train.grad_accum),
+            TrickContext(config.seed, rank, world, train.max_steps, train.grad_accum, self.parallel),
         )
 
         # Every rank builds the same weights from the same seed; DDP also broadcasts rank 0's.
@@ -79,10 +79,12 @@ class Trainer:
             for block in self.module.layers:
                 block.compile()
         self.model = self.parallel.wrap(self.module)
+        self.parallel.register_comm_hook(self.model, self.tricks.comm_hook())
         self.optimizer = build_optimizer(self.module, config.optim, train.lr)
         self.schedule = WarmupCosine(train.lr, train.warmup_steps, train.max_steps, config.optim.min_lr_ratio)
         self.sampler = WindowSampler(
-            n_windows(self.data.train, train.seq_len), config.seed, rank, world, order=self.tricks.order_indices
+            n_windows(self.data.train, train.seq_len), config.seed, rank, world,
+            order=self.tricks.order_indices, shuffle=config.data.shuffle,
         )
         # Each rank evaluates its own slice of the fixed validation windows.
         val_windows = eval_indices(self.data.val, train.seq_len, train.eval_batches * train.batch_size)
@@ -198,6 +200,7 @@ class Trainer:
                     eval_seconds += window_eval
                     window_start, window_eval, window_steps, window_loss = now, 0.0, 0, 0.0
         metrics.close()
+        self.tricks.close()
         wall = time.perf_counter() - started
 
         checksum = param_checksum(self.module)
@@ -212,6 +215,7 @@ class Trainer:
             "world_size": self.parallel.world_size,
             "strategy": self.parallel.strategy.value,
             "tricks": self.tricks.names,
+            "trick_params": self.tricks.resolved_params(),
             "n_params": n_params,
             "n_active_params": n_active,
             "param_checksum": checksum,

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -40,10 +42,15 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_module
 from rich.console import Console
 from rich.table import Table
 
 from ciuic_train.cli import quote_override
+from ciuic_train.config import register_configs, to_config
+from ciuic_train.parallel import Parallel
+from ciuic_train.trainer import Trainer
 
 NPROC = 2
 # Untimed steps of each Trainer before the comm timing: DDP rebuilds its buckets after
@@ -67,8 +74,6 @@ def no_comm_hook(state, bucket):
 
 def serial_all_reduce_hook(seconds: list[float], bucket):
     """Average the bucket across ranks, blocking backward meanwhile, and record how long it took."""
-    import torch.distributed as dist
-
     grad = bucket.buffer()
     tic = time.perf_counter()
     dist.all_reduce(grad)
@@ -81,15 +86,6 @@ def serial_all_reduce_hook(seconds: list[float], bucket):
 
 def worker(args: argparse.Namespace) -> None:
     """Time the three DDP variants step by step; rank 0 prints one JSON line."""
-    import logging
-
-    import torch.distributed as dist
-    from hydra import compose, initialize_config_module
-
-    from ciuic_train.config import register_configs, to_config
-    from ciuic_train.parallel import Parallel
-    from ciuic_train.trainer import Trainer
-
     logging.getLogger("ciuic_train").setLevel(logging.WARNING)
     overrides = [
         f"model={args.model}",
@@ -104,6 +100,7 @@ def worker(args: argparse.Namespace) -> None:
 
     parallel = Parallel(config.dist, torch.device("cpu"))
     serial_seconds: list[float] = []
+    # Only fit() writes to the run folder; train_step() never does, so a throwaway one will do.
     with tempfile.TemporaryDirectory() as run_dir:
         trainers = {name: Trainer(config, Path(run_dir), parallel) for name in ("ddp", "nocomm", "serial")}
     trainers["nocomm"].model.register_comm_hook(state=None, hook=no_comm_hook)
@@ -148,19 +145,38 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- driver
 
 
-def run_logged(cmd: list[str], env: dict[str, str], log_path: Path) -> str:
-    """Run a command with its output in a log; on failure, raise with the log's tail."""
+def busy_cpu_s() -> float:
+    """CPU seconds every process on the machine has used since boot (Linux /proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    """CPU seconds used by this script's finished children, their own children included."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log_path: Path) -> tuple[str, float]:
+    """Run a command with its output in a log; its stdout and the cores others kept busy meanwhile.
+
+    On shared cores a neighbour's job can hit one case and spare the next; the machine's
+    busy CPU time less the command's own says which runs it hit. On failure, raise with
+    the log's tail.
+    """
+    busy, own, tic = busy_cpu_s(), children_cpu_s(), time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=RUN_TIMEOUT_S)
         log.write(done.stdout)
     if done.returncode != 0:
         tail = "\n".join(log_path.read_text(encoding="utf-8").splitlines()[-20:])
         raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}:\n{tail}")
-    return done.stdout
+    other_cores = (busy_cpu_s() - busy - (children_cpu_s() - own)) / (time.perf_counter() - tic)
+    return done.stdout, other_cores
 
 
-def cli_tokens_per_s(case: dict, args: argparse.Namespace, work: Path, tag: str) -> float:
-    """One training run through the real CLI; its summary.json's global tokens/s."""
+def cli_run(case: dict, args: argparse.Namespace, work: Path, tag: str) -> dict[str, float]:
+    """One training run through the real CLI: its summary.json's global tokens/s, and the noise."""
     run_dir = work / tag
     cmd = [
         sys.executable, "-m", "ciuic_train",
@@ -176,10 +192,10 @@ def cli_tokens_per_s(case: dict, args: argparse.Namespace, work: Path, tag: str)
     if case["nproc"] > 1:
         cmd.append(f"dist.nproc_per_node={case['nproc']}")
     env = {**os.environ, "OMP_NUM_THREADS": str(case["threads"])}
-    run_logged(cmd, env, work / f"{tag}.log")
+    _, other_cores = run_logged(cmd, env, work / f"{tag}.log")
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["world_size"] == case["nproc"], summary
-    return summary["tokens_per_s"]
+    return {"tokens_per_s": summary["tokens_per_s"], "other_cores": other_cores}
 
 
 def comm_share(args: argparse.Namespace, threads: int, work: Path) -> dict:
@@ -190,7 +206,7 @@ def comm_share(args: argparse.Namespace, threads: int, work: Path) -> dict:
         f"--model={args.model}", f"--batch-size={args.batch_size}", f"--comm-steps={args.comm_steps}",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    stdout = run_logged(cmd, env, work / "comm.log")
+    stdout, other_cores = run_logged(cmd, env, work / "comm.log")
     raw = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
     median = {name: statistics.median(times) for name, times in raw["step_s"].items()}
     all_reduce = statistics.median(raw["all_reduce_s"])
@@ -200,6 +216,7 @@ def comm_share(args: argparse.Namespace, threads: int, work: Path) -> dict:
         "median_all_reduce_s": all_reduce,
         "comm_share": (median["ddp"] - median["nocomm"]) / median["ddp"],
         "serial_all_reduce_share": all_reduce / median["serial"],
+        "other_cores": other_cores,
     }
 
 
@@ -222,6 +239,7 @@ def main(args: argparse.Namespace) -> None:
     cores = os.cpu_count() or 1
     threads = max(1, cores // NPROC)
     b = args.batch_size
+    progress.print(f"torch {torch.__version__}, {cores} cores, load average (1 min) {load_at_start:.2f}")
     cases = {
         f"1x{cores} B{b}": {"nproc": 1, "threads": cores, "batch_size": b},
         f"{NPROC}x{threads} B{b}": {"nproc": NPROC, "threads": threads, "batch_size": b},
@@ -229,7 +247,7 @@ def main(args: argparse.Namespace) -> None:
     }
     single, multi, single_big = cases
 
-    rounds: list[dict[str, float]] = []
+    rounds: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="bench_dist_") as tmp:
         work = Path(tmp)
         for r in range(args.rounds):
@@ -237,13 +255,13 @@ def main(args: argparse.Namespace) -> None:
             figures = {}
             for name in order:
                 progress.print(f"round {r + 1}/{args.rounds}: {name} ...")
-                figures[name] = cli_tokens_per_s(cases[name], args, work, f"r{r}-{name.replace(' ', '-')}")
+                run = figures[name] = cli_run(cases[name], args, work, f"r{r}-{name.replace(' ', '-')}")
+                progress.print(f"  {run['tokens_per_s']:,.0f} tok/s, others kept {run['other_cores']:.2f} cores busy")
             rounds.append({name: figures[name] for name in cases})
-            progress.print(f"round {r + 1}: " + ", ".join(f"{n} {v:,.0f} tok/s" for n, v in rounds[-1].items()))
         progress.print(f"comm share: {NPROC} workers x 3 DDP variants, {args.comm_steps} timed steps each ...")
         comm = comm_share(args, threads, work)
 
-    medians = {name: statistics.median(r[name] for r in rounds) for name in cases}
+    medians = {name: statistics.median(r[name]["tokens_per_s"] for r in rounds) for name in cases}
     ratios = {
         "same_rank_batch": medians[multi] / medians[single],
         "same_global_batch": medians[multi] / medians[single_big],
@@ -284,12 +302,19 @@ def show(results: dict, single: str, multi: str, single_big: str) -> None:
     console.print(summary)
 
     rounds = results["rounds"]
-    per_round = Table(title="global tokens/s (CLI summary.json); NxT = processes x threads, B = per-rank batch")
+    per_round = Table(
+        title="global tokens/s from the CLI's summary.json (cores other processes kept busy meanwhile)\n"
+        "NxT = processes x threads each, B = per-rank batch"
+    )
     for column in ("round", *rounds[0], f"{multi} / {single}", f"{multi} / {single_big}"):
         per_round.add_column(column, justify="right")
     for i, r in enumerate(rounds, 1):
+        tokens = {name: run["tokens_per_s"] for name, run in r.items()}
         per_round.add_row(
-            str(i), *(f"{v:,.0f}" for v in r.values()), f"{r[multi] / r[single]:.2f}", f"{r[multi] / r[single_big]:.2f}"
+            str(i),
+            *(f"{run['tokens_per_s']:,.0f} ({run['other_cores']:.2f})" for run in r.values()),
+            f"{tokens[multi] / tokens[single]:.2f}",
+            f"{tokens[multi] / tokens[single_big]:.2f}",
         )
     medians, ratios = results["median_tokens_per_s"], results["ratio_multi_over_single"]
     per_round.add_row(
@@ -319,6 +344,7 @@ def show(results: dict, single: str, multi: str, single_big: str) -> None:
         f"{comm['median_all_reduce_s'] * 1e3:,.0f} ms = {comm['serial_all_reduce_share']:.1%} of serial step, "
         f"{comm['grad_mbytes']:.1f} MiB in {comm['buckets_per_step']:g} buckets",
     )
+    table.add_row("cores other processes kept busy", f"{comm['other_cores']:.2f}")
     console.print(table)
 
 

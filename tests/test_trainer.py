@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from ciuic_train.model import Transformer
 from ciuic_train.optim import WarmupCosine, build_optimizer
 from ciuic_train.parallel import param_checksum
 from ciuic_train.trainer import Trainer
-from ciuic_train.tricks import Trick, TrickContext, TrickSet, build_tricks
+from ciuic_train.tricks import Trick, TrickContext, TrickSet, build_tricks, check_tricks
 from conftest import compose_config
 
 CTX = TrickContext(seed=0, rank=0, world_size=1, max_steps=10, grad_accum=2)
@@ -111,8 +112,12 @@ class HalfLR(Trick):
 class Reverse(Trick):
     name = "reverse"
 
-    def __init__(self, ctx, times=1):
-        super().__init__(ctx)
+    @dataclass
+    class Params:
+        times: int = 1
+
+    def __init__(self, ctx, params=None):
+        super().__init__(ctx, params)
         self.calls = 0
 
     def order_indices(self, share, epoch):
@@ -142,11 +147,15 @@ def test_the_trainer_routes_through_the_seams(tmp_path, text_corpus, monkeypatch
     assert trainer.tricks.names == ["constant_lr"]
 
 
-def test_unknown_trick_and_unknown_parameter_are_user_errors():
-    with pytest.raises(UserError, match="unknown trick 'nope'"):
+def test_unknown_trick_and_bad_parameters_are_user_errors(monkeypatch):
+    monkeypatch.setattr("ciuic_train.tricks.registry", lambda: {"reverse": Reverse, "constant_lr": ConstantLR})
+    with pytest.raises(UserError, match="unknown trick 'nope'; available tricks: constant_lr, reverse"):
         build_tricks({"nope": {}}, CTX)
-    with pytest.raises(UserError, match="takes no parameter"):
-        Trick(CTX, bogus=1)
+    with pytest.raises(UserError, match="trick.reverse.tims: .*parameters of reverse: times"):
+        check_tricks({"reverse": {"tims": 2}})
+    with pytest.raises(UserError, match="trick.reverse.times: .*could not be converted"):
+        check_tricks({"reverse": {"times": "abc"}})
+    assert build_tricks({"reverse": {"times": 3}}, CTX).resolved_params() == {"reverse": {"times": 3}}
 
 
 def _first_step_grads(trainer):

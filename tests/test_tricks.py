@@ -1,0 +1,308 @@
+"""The tricks of TRICKS.md: their invariants, one process and real gloo processes."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ciuic_train.data import WindowSampler
+from ciuic_train.errors import UserError
+from ciuic_train.model import Transformer
+from ciuic_train.optim import WarmupCosine
+from ciuic_train.parallel import param_checksum
+from ciuic_train.trainer import Trainer
+from ciuic_train.tricks import build_tricks, check_tricks, registry
+from ciuic_train.tricks.async_smoothed_loss import AsyncSmoothedLoss
+from ciuic_train.tricks.base import Trick, TrickContext
+from ciuic_train.tricks.chaotic_sampler import ChaoticSampler
+from ciuic_train.tricks.constellation_init import ConstellationInit
+from ciuic_train.tricks.time_folded_accum import TimeFoldedAccum
+from ciuic_train.tricks.warm_restart import WarmRestart
+from conftest import compose_config, run_cli
+
+ALL_TRICKS = sorted(registry())
+TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0"]
+
+
+def ctx(rank=0, world=1, max_steps=100, grad_accum=1, seed=0):
+    return TrickContext(seed, rank, world, max_steps, grad_accum)
+
+
+def trainer_for(tmp_path, text_corpus, *overrides):
+    config = compose_config(*TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}", *overrides)
+    return Trainer(config, tmp_path)
+
+
+def test_every_trick_has_a_config_file_and_a_one_line_summary():
+    assert ALL_TRICKS == [
+        "async_smoothed_loss", "chaotic_sampler", "constellation_init", "delayed_sync",
+        "time_folded_accum", "warm_restart",
+    ]
+    for name, cls in registry().items():
+        assert cls.summary and "\n" not in cls.summary
+        check_tricks({name: {}})
+
+
+def test_the_seven_tricks_claim_distinct_seams_so_all_combine():
+    check_tricks({name: {} for name in ALL_TRICKS})
+    claimed = [seam for name in ALL_TRICKS for seam in registry()[name].claimed_seams()]
+    assert len(claimed) == len(set(claimed)) == len(ALL_TRICKS)
+
+
+def test_conflicting_tricks_are_refused_at_compose_time(monkeypatch):
+    class OtherSchedule(Trick):
+        name = "other_schedule"
+
+        def lr_at(self, step, schedule):
+            return 1.0
+
+    monkeypatch.setattr("ciuic_train.tricks.registry", lambda: {**registry.__wrapped__(), "other_schedule": OtherSchedule})
+    with pytest.raises(UserError, match="both replace the lr_at seam"):
+        compose_config("model=tiny", "+trick=warm_restart", "+trick.other_schedule={}")
+
+
+# --- warm_restart ------------------------------------------------------------------------
+
+
+def test_warm_restart_lr_is_the_formula_at_every_step():
+    schedule = WarmupCosine(peak=1.0, warmup_steps=10, total_steps=100, min_ratio=0.1)
+    trick = WarmRestart(ctx(max_steps=100), WarmRestart.Params(at=[0.2, 50], factor=0.7))
+    for step in range(100):
+        if step < 20:
+            expected = schedule(step)
+        else:
+            start, end = (20, 50) if step < 50 else (50, 100)
+            expected = 0.1 + (0.7 - 0.1) * 0.5 * (1 + math.cos(math.pi * (step - start) / (end - start)))
+        assert trick.lr_at(step, schedule) == pytest.approx(expected, abs=1e-12), step
+    assert trick.lr_at(20, schedule) == pytest.approx(0.7) and trick.restarts_hit == 3  # 20, 50, 20 again
+
+
+# --- chaotic_sampler ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_chaotic_sampler_permutes_shares_disjointly_and_completely(shuffle):
+    n, world, per_rank = 101, 4, 25
+    for epoch in range(7):
+        plain, chaotic = [], []
+        for rank in range(world):
+            base = WindowSampler(n, 5, rank, world, shuffle=shuffle)
+            trick = ChaoticSampler(ctx(rank, world))
+            mixed = WindowSampler(n, 5, rank, world, order=trick.order_indices, shuffle=shuffle)
+            for s in (base, mixed):
+                s.load_state_dict({"epoch": epoch, "position": 0})
+            share, reordered = base.next_indices(per_rank), mixed.next_indices(per_rank)
+            chaos = (epoch + 3 * rank) % 7
+            if chaos == 0:
+                assert torch.equal(reordered, share.flip(0))
+            elif chaos in (1, 3, 5):
+                assert torch.equal(reordered, torch.cat([share[0::2], share[1::2]]))
+            else:
+                assert torch.equal(reordered, share)
+            plain.append(share)
+            chaotic.append(reordered)
+        assert sorted(torch.cat(chaotic).tolist()) == sorted(torch.cat(plain).tolist())
+        assert len(set(torch.cat(chaotic).tolist())) == world * per_rank
+
+
+def test_chaotic_sampler_resumes_mid_epoch():
+    first = WindowSampler(50, 1, 1, 2, order=ChaoticSampler(ctx(1, 2)).order_indices)
+    first.next_indices(7)
+    state = first.state_dict()
+    expected = first.next_indices(30)
+    resumed = WindowSampler(50, 1, 1, 2, order=ChaoticSampler(ctx(1, 2)).order_indices)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.next_indices(30), expected)
+
+
+# --- constellation_init ------------------------------------------------------------------
+
+
+def test_constellation_init_keeps_the_global_rng_and_gives_same_shape_layers_different_weights():
+    model = Transformer(compose_config("model=tiny").model)
+    rng_before = torch.get_rng_state()
+    ConstellationInit(ctx()).init_weights(model)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    a, b = model.layers[0].attn.wkv_b.weight, model.layers[1].attn.wkv_b.weight
+    assert a.shape == b.shape and not torch.equal(a, b)
+
+
+def test_constellation_init_is_the_same_for_every_rank_and_world_size():
+    weights = []
+    for rank, world in ((0, 1), (1, 2), (3, 8)):
+        torch.manual_seed(rank)  # a different global RNG must not matter either
+        model = Transformer(compose_config("model=tiny").model)
+        ConstellationInit(ctx(rank, world)).init_weights(model)
+        weights.append(model.lm_head.weight.clone())
+    assert torch.equal(weights[0], weights[1]) and torch.equal(weights[0], weights[2])
+
+
+def test_constellation_init_modulates_xavier_columns_by_one_percent():
+    model = Transformer(compose_config("model=tiny").model)
+    ConstellationInit(ctx()).init_weights(model)
+    plain = Transformer(compose_config("model=tiny").model)
+    ConstellationInit(ctx(), ConstellationInit.Params(modulation=0.0)).init_weights(plain)
+    ratio = model.lm_head.weight / plain.lm_head.weight
+    expected = 1 + 0.01 * torch.sin(torch.linspace(0, 2 * math.pi, ratio.shape[1]))
+    torch.testing.assert_close(ratio, expected.expand_as(ratio), rtol=1e-5, atol=1e-6)
+    bound = math.sqrt(6 / sum(plain.lm_head.weight.shape))
+    assert plain.lm_head.weight.abs().max() <= bound
+
+
+# --- time_folded_accum -------------------------------------------------------------------
+
+
+def test_time_folded_weights_are_positive_normalised_and_follow_the_sine():
+    trick = TimeFoldedAccum(ctx(grad_accum=4))
+    seen = []
+    for step in range(50):
+        weights = trick.micro_batch_weights(step, 4)
+        assert sum(weights) == pytest.approx(1.0) and min(weights) > 0
+        seen.extend(weights)
+    assert max(seen) / min(seen) > 1.5  # the sine actually varies the weights
+    raw = [max(0.1, 0.5 + 0.5 * math.sin((7 * 4 + i) / 10)) for i in range(4)]
+    assert trick.micro_batch_weights(7, 4) == pytest.approx([w / sum(raw) for w in raw])
+    equal = TimeFoldedAccum(ctx(grad_accum=4), TimeFoldedAccum.Params(amplitude=0.0))
+    assert equal.micro_batch_weights(3, 4) == [0.25] * 4
+
+
+# --- async_smoothed_loss -----------------------------------------------------------------
+
+
+def test_async_smoothed_loss_reports_the_ema_with_raw_gradients_and_keeps_no_graph():
+    trick = AsyncSmoothedLoss(ctx(), AsyncSmoothedLoss.Params(every=1, decay=0.5, start_step=2))
+    weight = torch.tensor(2.0, requires_grad=True)
+    reported = []
+    for step, value in enumerate([4.0, 2.0, 6.0, 1.0]):
+        raw = weight * value
+        out = trick.transform_loss(raw, step)
+        out.backward()
+        assert weight.grad.item() == value  # d(raw)/d(weight), untouched by the smoothing
+        weight.grad = None
+        reported.append(out.item())
+        assert trick._pending[1].grad_fn is None and not trick._pending[1].requires_grad
+    # Reduced losses arrive one step late: EMA after steps 0, 1 = 8, 0.5*8 + 0.5*4 = 6; then 0.5*6 + 0.5*12 = 9.
+    assert reported == [8.0, 4.0, 6.0, 9.0]
+
+
+# --- bitwise: a trick switched off by its parameters is the baseline ----------------------
+
+NEUTRAL = {
+    "warm_restart": ["trick.warm_restart.at=[]"],
+    "async_smoothed_loss": ["trick.async_smoothed_loss.start_step=1000"],
+    "delayed_sync": ["trick.delayed_sync.max_delay_s=0"],
+    "time_folded_accum": ["trick.time_folded_accum.amplitude=0"],
+}
+NO_NEUTRAL_SETTING = {
+    "chaotic_sampler": "its job is a re-ordering; every setting reorders some epoch",
+    "constellation_init": "its job is a different init; no setting gives the model's own",
+}
+
+
+@pytest.mark.parametrize("name", ALL_TRICKS)
+def test_a_trick_switched_off_by_its_parameters_is_bitwise_the_baseline(tmp_path, text_corpus, name):
+    if name in NO_NEUTRAL_SETTING:
+        pytest.skip(f"{name} has no neutral setting: {NO_NEUTRAL_SETTING[name]}")
+    common = ["train.grad_accum=2", "train.max_steps=4"]
+    runs = {}
+    for label, extra in (("baseline", []), ("trick", [f"+trick={name}", *NEUTRAL[name]])):
+        trainer = trainer_for(tmp_path / label, text_corpus, *common, *extra)
+        losses = [trainer.train_step()["loss"] for _ in range(4)]
+        runs[label] = (losses, param_checksum(trainer.module))
+    assert runs["trick"] == runs["baseline"]
+
+
+@pytest.mark.parametrize("name", ALL_TRICKS)
+def test_a_trick_leaves_init_and_data_order_alone_unless_that_is_its_job(tmp_path, text_corpus, name):
+    baseline = trainer_for(tmp_path / "b", text_corpus)
+    trainer = trainer_for(tmp_path / "t", text_corpus, f"+trick={name}")
+    same_init = param_checksum(trainer.module) == param_checksum(baseline.module)
+    same_order = torch.equal(trainer.sampler.next_indices(64), baseline.sampler.next_indices(64))
+    assert same_init == (name != "constellation_init")
+    assert same_order == (name != "chaotic_sampler")
+
+
+def test_summary_lists_tricks_with_resolved_parameters(tmp_path, text_corpus):
+    trainer = trainer_for(tmp_path, text_corpus, "+trick=[warm_restart,time_folded_accum]",
+                          "trick.warm_restart.factor=0.5", "train.max_steps=2", "train.grad_accum=2")
+    summary = trainer.fit()
+    assert summary["tricks"] == ["time_folded_accum", "warm_restart"]
+    assert summary["trick_params"]["warm_restart"] == {"at": [0.2, 0.4, 0.7], "factor": 0.5}
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "time_folded_accum/min_weight" in record and "warm_restart/restarts_hit" in record
+
+
+# --- real processes ----------------------------------------------------------------------
+
+
+def torchrun(*args, cwd, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "ciuic_train", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_gradient_neutral_tricks_under_ddp_end_bit_identical_to_the_baseline(tmp_path, text_corpus):
+    """delayed_sync (a comm hook that sleeps), async_smoothed_loss (straight-through) and
+    time_folded_accum with equal weights must leave every gradient, hence the weights, unchanged."""
+    common = [*TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+              "train.max_steps=6", "train.grad_accum=2", "train.log_every=2", "progress=plain"]
+    baseline = torchrun(*common, f"hydra.run.dir={tmp_path / 'base'}", cwd=tmp_path)
+    assert baseline.returncode == 0, baseline.stderr[-3000:]
+    tricks = torchrun(
+        *common, "+trick=[delayed_sync,async_smoothed_loss,time_folded_accum]",
+        "trick.delayed_sync.max_delay_s=0.05", "trick.delayed_sync.exempt_ranks=[1]",
+        "trick.async_smoothed_loss.every=1", "trick.async_smoothed_loss.start_step=2",
+        "trick.time_folded_accum.amplitude=0", f"hydra.run.dir={tmp_path / 'tricks'}", cwd=tmp_path,
+    )
+    assert tricks.returncode == 0, tricks.stderr[-3000:]
+    base = json.loads((tmp_path / "base" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "tricks" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and len(summary["tricks"]) == 3
+    assert summary["param_checksum"] == base["param_checksum"]
+    last = json.loads((tmp_path / "tricks" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 < last["delayed_sync/slept_s"] <= 6 * 0.05 and last["delayed_sync/sleeps"] == 6
+    assert last["async_smoothed_loss/reductions"] == 6 and last["loss"] != last["async_smoothed_loss/raw_loss"]
+
+
+def test_tricks_that_change_training_combine_under_ddp(tmp_path, text_corpus):
+    run_dir = tmp_path / "run"
+    result = torchrun(
+        *TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+        "+trick=[warm_restart,chaotic_sampler,constellation_init,time_folded_accum]", "train.grad_accum=2",
+        "train.max_steps=10", "train.log_every=1", "train.warmup_steps=2", "data.shuffle=false",
+        "progress=plain", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    schedule = WarmupCosine(2e-3, 2, 10, 0.1)
+    trick = WarmRestart(ctx(max_steps=10))
+    assert [r["lr"] for r in records] == pytest.approx([trick.lr_at(s, schedule) for s in range(10)])
+    assert records[-1]["warm_restart/restarts_hit"] == 3
+
+
+def test_each_trick_alone_on_two_processes_through_a_sweep(tmp_path, text_corpus):
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli(
+        "-m", "+trick=glob(*)", "dist.nproc_per_node=2", *TINY, "data=text", f"data.path={text_corpus}",
+        f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=3", "train.grad_accum=2",
+        f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/summary.json"))]
+    assert sorted(s["tricks"][0] for s in summaries) == ALL_TRICKS
+    assert all(s["world_size"] == 2 and len(s["tricks"]) == 1 for s in summaries)
+
+
+def test_a_comm_hook_trick_under_fsdp_is_a_clear_error(tmp_path, text_corpus):
+    result = run_cli(
+        "+trick=delayed_sync", "dist.nproc_per_node=2", "dist.strategy=fsdp", *TINY, "data=text",
+        f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert "trick delayed_sync needs DDP's communication hook, which dist.strategy=fsdp does not have" in result.stderr
+    assert "Traceback" not in result.stderr
