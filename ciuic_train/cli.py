@@ -63,7 +63,7 @@ def _hydra_job(cfg: DictConfig) -> float:
         _require_same_config(parallel, cfg)
         trainer = Trainer(config, run_dir, parallel)
         summary = trainer.fit()
-        sample = trainer.sample()
+        sample = trainer.sample() if not summary["stopped_by"] else None
     except UserError as err:
         if info.is_main:
             _remove_unused_run_dir(run_dir)
@@ -71,7 +71,7 @@ def _hydra_job(cfg: DictConfig) -> float:
     finally:
         if parallel is not None:
             parallel.close()
-    if info.is_main:
+    if info.is_main and not summary["stopped_by"]:
         show_results(summary, sample, config.sample.prompt)
     return summary["final_val_loss"]
 

@@ -112,6 +112,25 @@ class DistConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Save every N optimizer steps (the default policy, which quantum_save replaces); 0: only
+    # the final save and the save on SIGTERM/SIGINT.
+    every: int = 100
+    keep_last: int = 3
+    # Resume a checkpoint written with a different set of tricks.
+    allow_trick_change: bool = False
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for testing recovery: on the first attempt only, rank `kill_rank`
+    SIGKILLs itself right after optimizer step `at_step`."""
+
+    kill_rank: int = -1
+    at_step: int = 0
+
+
+@dataclass
 class SampleConfig:
     """The text generated after training, so a user sees what the model learnt."""
 
@@ -133,6 +152,11 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    # none: start fresh; auto: the latest complete checkpoint in the run folder, if any;
+    # or a path to a checkpoint (step_<N>) or to a run folder.
+    resume: str = "auto"
     seed: int = 0
     device: Device = Device.auto
     precision: Precision = Precision.fp32
@@ -188,6 +212,10 @@ def validate(config: Config) -> None:
         raise UserError("sample.prompt must not be empty")
     if config.sample.max_new_tokens < 0:
         raise UserError(f"sample.max_new_tokens={config.sample.max_new_tokens} must be 0 (no sample) or more")
+    if config.ckpt.every < 0:
+        raise UserError(f"ckpt.every={config.ckpt.every} must be 0 (final save only) or positive")
+    if config.ckpt.keep_last < 1:
+        raise UserError(f"ckpt.keep_last={config.ckpt.keep_last} must be at least 1")
     if config.dist.nproc_per_node < 1:
         raise UserError(f"dist.nproc_per_node={config.dist.nproc_per_node} must be at least 1")
     if config.dist.timeout_s < 1:

@@ -77,7 +77,8 @@ class Parallel:
         if backend == "nccl" and device.type != "cuda":
             raise UserError("dist.backend=nccl needs device=cuda; use dist.backend=gloo on CPU")
         if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+            timeout = timedelta(seconds=cfg.timeout_s)
+            dist.init_process_group(backend, timeout=timeout, **_attempt_store(self.info, timeout))
             self.group_started = True
 
     @property
@@ -139,6 +140,14 @@ class Parallel:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         return self.all_reduce_sum_(t).item() / self.world_size
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is true on any rank."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def gather(self, value: str) -> list[str]:
         if self.world_size == 1:
             return [value]
@@ -159,6 +168,24 @@ class Parallel:
         if self.group_started and dist.is_initialized():
             dist.destroy_process_group()
             self.group_started = False
+
+
+def _attempt_store(info: RankInfo, timeout: timedelta) -> dict[str, Any]:
+    """Under torchrun, a store namespace of our own for each restart attempt.
+
+    torch's env:// rendezvous reuses the elastic agent's store across worker-group
+    restarts without a per-attempt prefix, so a restarted rank can read a dead peer's
+    address left by the previous attempt and fail to connect (seen with torch 2.13 and
+    gloo). Returns the arguments for init_process_group; none outside torchrun.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"ciuic_train/attempt_{attempt}", agent_store)
+    return {"store": store, "rank": info.rank, "world_size": info.world_size}
 
 
 @contextmanager

@@ -10,7 +10,10 @@ import json
 import logging
 import os
 import random
+import signal
+import threading
 import time
+from dataclasses import asdict
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ciuic_train.config import Config, Device, Precision
+from ciuic_train.checkpoint import Checkpointer, check_compatible, read_meta, resolve_resume
+from ciuic_train.config import Config, Device, FaultConfig, Precision
 from ciuic_train.data import (
     WindowSampler,
     eval_indices,
@@ -96,6 +100,37 @@ class Trainer:
         )
         self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum * world
         self.step = 0
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", rank, world, config.ckpt.keep_last)
+        self.resumed_from = resolve_resume(config.resume, run_dir)
+        if self.resumed_from is not None:
+            self._resume(self.resumed_from)
+
+    def _meta(self) -> dict[str, Any]:
+        """What a checkpoint must agree with to be resumed by this run."""
+        return {
+            "model": asdict(self.config.model),
+            "tricks": self.tricks.names,
+            "world_size": self.parallel.world_size,
+            "strategy": self.parallel.strategy.value,
+        }
+
+    def save_checkpoint(self) -> Path:
+        rank_state = {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "tricks": self.tricks.state_dict(),
+        }
+        return self.checkpointer.save(self.step, self.module, self.optimizer, rank_state, self._meta())
+
+    def _resume(self, path: Path) -> None:
+        check_compatible(read_meta(path), self._meta(), self.config.ckpt.allow_trick_change)
+        state = self.checkpointer.load(path, self.module, self.optimizer)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.tricks.load_state_dict({k: v for k, v in state["tricks"].items() if k in self.tricks.names})
+        if self.parallel.is_main:
+            drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
+        log.info(f"resumed from {path} at step {self.step}")
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         with self.autocast:
@@ -163,11 +198,13 @@ class Trainer:
         is_main = self.parallel.is_main
         metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None)
         started = time.perf_counter()
-        # Throughput counts the whole loop (data, step, logging) but not evaluation.
-        eval_seconds, window_start, window_eval, window_steps = 0.0, started, 0.0, 0
-        window_loss, last_val = 0.0, float("nan")
+        # Throughput counts the whole loop (data, step, logging) but not evaluation or saving.
+        eval_seconds, window_start, window_paused, window_steps = 0.0, started, 0.0, 0
+        window_loss, last_val, final_train_loss, stopped_by = 0.0, float("nan"), float("nan"), None
         self.model.train()
-        with ProgressDisplay(train.max_steps, self.config.progress.value, enabled=is_main) as progress:
+        with ProgressDisplay(train.max_steps, self.config.progress.value, enabled=is_main) as progress, \
+                StopRequest() as stop:
+            progress.advance(self.step)
             while self.step < train.max_steps:
                 figures = self.train_step()
                 window_steps += 1
@@ -179,9 +216,14 @@ class Trainer:
                 if self.step % train.eval_every == 0 or is_last:
                     tic = time.perf_counter()
                     last_val = self.evaluate()
-                    window_eval += time.perf_counter() - tic
+                    window_paused += time.perf_counter() - tic
                     record["val_loss"] = last_val
-                if self.step % train.log_every == 0 or is_last or record:
+                stopped_by = stop.agreed(self.parallel)
+                if is_last or stopped_by or self.tricks.should_save(self.step, self.config.ckpt.every):
+                    tic = time.perf_counter()
+                    self.save_checkpoint()
+                    window_paused += time.perf_counter() - tic
+                if self.step % train.log_every == 0 or is_last or record or stopped_by:
                     now = time.perf_counter()
                     record = {
                         "step": self.step,
@@ -189,16 +231,20 @@ class Trainer:
                         "lr": figures["lr"],
                         "grad_norm": figures["grad_norm"],
                         "moe_imbalance": figures["moe_imbalance"],
-                        "tokens_per_s": self.tokens_per_step * window_steps / (now - window_start - window_eval),
+                        "tokens_per_s": self.tokens_per_step * window_steps / (now - window_start - window_paused),
                         "elapsed_s": now - started,
                         **record,
+                        "checkpoints": self.checkpointer.saves,
                         **self.tricks.metrics(),
                     }
                     metrics.write(record)
                     progress.report(record)
                     final_train_loss = record["loss"]
-                    eval_seconds += window_eval
-                    window_start, window_eval, window_steps, window_loss = now, 0.0, 0, 0.0
+                    eval_seconds += window_paused
+                    window_start, window_paused, window_steps, window_loss = now, 0.0, 0, 0.0
+                if stopped_by:
+                    break
+                inject_fault(self.config.fault, self.parallel.info.rank, self.step)
         metrics.close()
         self.tricks.close()
         wall = time.perf_counter() - started
@@ -207,6 +253,7 @@ class Trainer:
         self.parallel.require_same(checksum, "param_checksum")
         summary = {
             "steps": self.step,
+            "stopped_by": stopped_by,
             "final_train_loss": final_train_loss,
             "final_val_loss": last_val,
             "unigram_entropy": unigram_entropy(self.data.train, self.data.vocab_size),
@@ -222,8 +269,16 @@ class Trainer:
             "model": self.config.model.name,
             "device": str(self.device),
             "precision": self.config.precision.value,
+            "checkpoint_saves": self.checkpointer.saves,
+            "checkpoint_seconds": self.checkpointer.seconds,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
-        if is_main:
+        if is_main and stopped_by:
+            log.warning(
+                f"stopped by {stopped_by} after step {self.step}; checkpoint saved; continue with "
+                f"resume=auto hydra.run.dir={self.run_dir}"
+            )
+        elif is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)
             log.info("summary " + json.dumps(summary))
         return summary
@@ -238,6 +293,54 @@ class Trainer:
         with self.autocast:
             out = generate(self.module, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+class StopRequest:
+    """SIGTERM (what Slurm sends before preemption) or Ctrl-C asks the loop to save and stop
+    after the current step; a second Ctrl-C interrupts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def agreed(self, parallel: Parallel) -> str | None:
+        """The signal, once any rank has one: every rank stops at the same step."""
+        return (self.received or "a signal on another rank") if parallel.any(self.received is not None) else None
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
+    """Kill this process as a crash would, on the first attempt only, to test recovery."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and rank == fault.kill_rank and step == fault.at_step:
+        log.warning(f"fault injection: rank {rank} kills itself after step {step}")
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def drop_metrics_after(path: Path, step: int) -> None:
+    """On resume, forget logged steps the checkpoint does not contain, so none is duplicated."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def full_value(tensor: torch.Tensor) -> float:

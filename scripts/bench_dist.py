@@ -261,10 +261,14 @@ def main(args: argparse.Namespace) -> None:
         progress.print(f"comm share: {NPROC} workers x 3 DDP variants, {args.comm_steps} timed steps each ...")
         comm = comm_share(args, threads, work)
 
-    medians = {name: statistics.median(r[name]["tokens_per_s"] for r in rounds) for name in cases}
+    # The median, as bench.py reports; the best too, as a neighbour's job only ever slows a run.
+    tokens = {
+        stat: {name: reduce(r[name]["tokens_per_s"] for r in rounds) for name in cases}
+        for stat, reduce in (("median", statistics.median), ("best", max))
+    }
     ratios = {
-        "same_rank_batch": medians[multi] / medians[single],
-        "same_global_batch": medians[multi] / medians[single_big],
+        stat: {"same_rank_batch": t[multi] / t[single], "same_global_batch": t[multi] / t[single_big]}
+        for stat, t in tokens.items()
     }
     results = {
         "torch": torch.__version__,
@@ -276,7 +280,7 @@ def main(args: argparse.Namespace) -> None:
         "steps": args.steps,
         "cases": cases,
         "rounds": rounds,
-        "median_tokens_per_s": medians,
+        "tokens_per_s": tokens,
         "ratio_multi_over_single": ratios,
         "comm": comm,
         "wall_s": time.perf_counter() - started,
@@ -316,13 +320,14 @@ def show(results: dict, single: str, multi: str, single_big: str) -> None:
             f"{tokens[multi] / tokens[single]:.2f}",
             f"{tokens[multi] / tokens[single_big]:.2f}",
         )
-    medians, ratios = results["median_tokens_per_s"], results["ratio_multi_over_single"]
-    per_round.add_row(
-        "median",
-        *(f"{v:,.0f}" for v in medians.values()),
-        f"{ratios['same_rank_batch']:.2f}",
-        f"{ratios['same_global_batch']:.2f}",
-    )
+    for stat, tokens in results["tokens_per_s"].items():
+        ratios = results["ratio_multi_over_single"][stat]
+        per_round.add_row(
+            stat,
+            *(f"{v:,.0f}" for v in tokens.values()),
+            f"{ratios['same_rank_batch']:.2f}",
+            f"{ratios['same_global_batch']:.2f}",
+        )
     console.print(per_round)
     console.print(
         f"{multi} trains {NPROC}x the tokens of {single} per step; {single_big} has the same global batch as {multi}."

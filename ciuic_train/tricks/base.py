@@ -29,6 +29,7 @@ SEAMS = (
     "transform_loss",
     "micro_batch_weights",
     "comm_hook",
+    "should_save",
 )
 
 
@@ -89,6 +90,11 @@ class Trick:
     def comm_hook(self) -> tuple[Any, Callable] | None:
         """A DDP communication hook `(state, hook)` that replaces the gradient all-reduce."""
         return None
+
+    def should_save(self, step: int, every: int) -> bool:
+        """Checkpoint policy after optimizer step `step` (1-based); the end of the run and a
+        stop signal always save, whatever the policy says."""
+        return every > 0 and step % every == 0
 
     # --- shared by every trick ---------------------------------------------------------
 
@@ -162,6 +168,9 @@ class TrickSet:
         owner = self._owner["comm_hook"]
         hook = owner.comm_hook()
         return (owner.name, *hook) if hook is not None else None
+
+    def should_save(self, step: int, every: int) -> bool:
+        return self._owner["should_save"].should_save(step, every)
 
     def metrics(self) -> dict[str, float]:
         merged: dict[str, float] = {}

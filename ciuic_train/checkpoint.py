@@ -1,0 +1,188 @@
+"""Complete, atomic, resumable checkpoints.
+
+Layout of one checkpoint, `<run dir>/checkpoints/step_<N>/`:
+- model and optimizer state through `torch.distributed.checkpoint` (DCP): under FSDP each
+  rank writes its own shards, replicated DDP state is written once;
+- `rank<R>.json`: what differs between ranks or is not a tensor: step, data position,
+  every RNG stream, each trick's state;
+- `meta.json`: what a resume must agree with (model shape, tricks, world size).
+
+A checkpoint is written under a temporary name and renamed once every rank has
+finished, so a crash mid-save leaves only a `.tmp-*` folder that nothing reads, and the
+previous checkpoint intact. Loading never unpickles: DCP reads tensors, the rest is JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ciuic_train.errors import UserError
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Finished checkpoints under `folder`, oldest first (temporary folders are never listed)."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_resume(choice: str, run_dir: Path) -> Path | None:
+    """`none`, `auto` (latest complete checkpoint of this run folder, if any) or a path."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        found = complete_checkpoints(run_dir / "checkpoints")
+        return found[-1] if found else None
+    path = Path(choice).expanduser()
+    if (path / "meta.json").is_file():
+        return path
+    for folder in (path / "checkpoints", path):
+        found = complete_checkpoints(folder)
+        if found:
+            return found[-1]
+    raise UserError(f"resume={choice}: no complete checkpoint there (expected a step_<N> folder with meta.json)")
+
+
+def _encode_rng() -> dict[str, Any]:
+    state = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "python": _jsonable(random.getstate()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _decode_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    random.setstate(_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+
+
+def _jsonable(value: Any) -> Any:
+    return [_jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+class Checkpointer:
+    """Saves and restores a trainer's whole state; every rank calls each method together."""
+
+    def __init__(self, folder: Path, rank: int, world_size: int, keep_last: int):
+        self.folder = folder
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_last = keep_last
+        self.saves = 0
+        self.seconds = 0.0
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def save(self, step: int, model, optimizer, rank_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        tic = time.perf_counter()
+        final = self.folder / f"step_{step:06d}"
+        tmp = self.folder / f".tmp-step_{step:06d}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+            tmp.mkdir(parents=True)
+        self._barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        rank_state = {**rank_state, "rng": _encode_rng()}
+        (tmp / f"rank{self.rank}.json").write_text(json.dumps(rank_state))
+        self._barrier()
+        if self.rank == 0:
+            (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": self.world_size}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in complete_checkpoints(self.folder)[: -self.keep_last or None]:
+                shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+        self.saves += 1
+        self.seconds += time.perf_counter() - tic
+        return final
+
+    def load(self, path: Path, model, optimizer) -> dict[str, Any]:
+        """Restore model and optimizer in place; return this rank's JSON state."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+            rank_state = json.loads((path / f"rank{self.rank}.json").read_text())
+        except Exception as err:  # DCP raises many types for a damaged folder
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"checkpoint {path} is corrupt or incomplete ({first[:200]})") from None
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        _decode_rng(rank_state.pop("rng"))
+        return rank_state
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"checkpoint {path} has an unreadable meta.json ({err})") from None
+
+
+def check_compatible(meta: dict[str, Any], expected: dict[str, Any], allow_trick_change: bool) -> None:
+    """Refuse a checkpoint from a run this one cannot continue, naming the difference."""
+    saved_model, model = meta["model"], expected["model"]
+    for key in model:
+        if saved_model.get(key) != model[key]:
+            raise UserError(
+                f"checkpoint model differs: model.{key} is {saved_model.get(key)!r} there, {model[key]!r} now"
+            )
+    if meta["world_size"] != expected["world_size"]:
+        raise UserError(
+            f"checkpoint was written by {meta['world_size']} ranks, this run has {expected['world_size']}: "
+            "its data position and per-rank state cannot be resharded; resume with the same world size"
+        )
+    if meta["tricks"] != expected["tricks"] and not allow_trick_change:
+        raise UserError(
+            f"checkpoint tricks {meta['tricks']} differ from this run's {expected['tricks']}; "
+            "set ckpt.allow_trick_change=true to resume anyway"
+        )
+
+
+def export_model(path: Path, out: Path) -> Path:
+    """One consolidated file of model weights plus the model config, loadable without distributed."""
+    from ciuic_train.model import ModelConfig, Transformer
+
+    meta = read_meta(path)
+    model_config = ModelConfig(**meta["model"])
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as err:
+        raise UserError(f"checkpoint {path} is corrupt or incomplete ({str(err).strip()[:200]})") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save({"model_config": asdict(model_config), "state_dict": state["model"], "step": meta["step"]}, tmp)
+    os.replace(tmp, out)
+    return out
