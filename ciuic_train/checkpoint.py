@@ -21,6 +21,8 @@ import random
 import re
 import shutil
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,11 +30,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ciuic_train.errors import UserError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@contextmanager
+def _single_process_is_fine():
+    """DCP warns each time it runs without a process group; one process is a normal case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def complete_checkpoints(folder: Path) -> list[Path]:
@@ -57,7 +68,7 @@ def resolve_resume(choice: str, run_dir: Path) -> Path | None:
         found = complete_checkpoints(folder)
         if found:
             return found[-1]
-    raise UserError(f"resume={choice}: no complete checkpoint there (expected a step_<N> folder with meta.json)")
+    raise UserError(f"no complete checkpoint at {choice} (expected a step_<N> folder with meta.json, or a run folder)")
 
 
 def _encode_rng() -> dict[str, Any]:
@@ -109,7 +120,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self._barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        with _single_process_is_fine():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         rank_state = {**rank_state, "rng": _encode_rng()}
         (tmp / f"rank{self.rank}.json").write_text(json.dumps(rank_state))
         self._barrier()
@@ -129,9 +141,10 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            with _single_process_is_fine():
+                dcp.load(state, checkpoint_id=str(path))
             rank_state = json.loads((path / f"rank{self.rank}.json").read_text())
-        except Exception as err:  # DCP raises many types for a damaged folder
+        except (Exception, CheckpointException) as err:  # DCP's own derives from BaseException
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise UserError(f"checkpoint {path} is corrupt or incomplete ({first[:200]})") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -144,6 +157,11 @@ def read_meta(path: Path) -> dict[str, Any]:
         return json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"checkpoint {path} has an unreadable meta.json ({err})") from None
+
+
+def run_fingerprint(model_config, trick_names: list[str], world_size: int) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed: model shape, tricks, world size."""
+    return {"model": asdict(model_config), "tricks": sorted(trick_names), "world_size": world_size}
 
 
 def check_compatible(meta: dict[str, Any], expected: dict[str, Any], allow_trick_change: bool) -> None:
@@ -178,8 +196,9 @@ def export_model(path: Path, out: Path) -> Path:
     model.init_weights()
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=str(path))
-    except Exception as err:
+        with _single_process_is_fine():
+            dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as err:
         raise UserError(f"checkpoint {path} is corrupt or incomplete ({str(err).strip()[:200]})") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")

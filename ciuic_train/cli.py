@@ -308,7 +308,20 @@ def _check_job(overrides: list[str]) -> CheckedJob:
     from ciuic_train.data import find_sources  # fails fast on a missing corpus, before any folder exists
 
     find_sources(config.data)
+    _check_resume(config, Path(run_dir))
     return CheckedJob(config, run_dir)
+
+
+def _check_resume(config: Config, run_dir: Path) -> None:
+    """Refuse a checkpoint this run cannot continue before Hydra touches its folder."""
+    from ciuic_train.checkpoint import check_compatible, read_meta, resolve_resume, run_fingerprint
+
+    path = resolve_resume(config.resume, run_dir)
+    if path is None:
+        return
+    world_size = int(os.environ.get("WORLD_SIZE", config.dist.nproc_per_node))
+    expected = run_fingerprint(config.model, list(config.trick), world_size)
+    check_compatible(read_meta(path), expected, config.ckpt.allow_trick_change)
 
 
 def _unknown_option(err: MissingConfigException) -> str:

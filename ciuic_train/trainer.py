@@ -13,7 +13,6 @@ import random
 import signal
 import threading
 import time
-from dataclasses import asdict
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ciuic_train.checkpoint import Checkpointer, check_compatible, read_meta, resolve_resume
+from ciuic_train.checkpoint import Checkpointer, check_compatible, read_meta, resolve_resume, run_fingerprint
 from ciuic_train.config import Config, Device, FaultConfig, Precision
 from ciuic_train.data import (
     WindowSampler,
@@ -106,13 +105,8 @@ class Trainer:
             self._resume(self.resumed_from)
 
     def _meta(self) -> dict[str, Any]:
-        """What a checkpoint must agree with to be resumed by this run."""
-        return {
-            "model": asdict(self.config.model),
-            "tricks": self.tricks.names,
-            "world_size": self.parallel.world_size,
-            "strategy": self.parallel.strategy.value,
-        }
+        fingerprint = run_fingerprint(self.config.model, self.tricks.names, self.parallel.world_size)
+        return {**fingerprint, "strategy": self.parallel.strategy.value}
 
     def save_checkpoint(self) -> Path:
         rank_state = {
@@ -127,7 +121,7 @@ class Trainer:
         state = self.checkpointer.load(path, self.module, self.optimizer)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
-        self.tricks.load_state_dict({k: v for k, v in state["tricks"].items() if k in self.tricks.names})
+        self.tricks.load_state_dict(state["tricks"])
         if self.parallel.is_main:
             drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
         log.info(f"resumed from {path} at step {self.step}")

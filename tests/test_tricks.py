@@ -20,6 +20,7 @@ from ciuic_train.tricks.async_smoothed_loss import AsyncSmoothedLoss
 from ciuic_train.tricks.base import Trick, TrickContext
 from ciuic_train.tricks.chaotic_sampler import ChaoticSampler
 from ciuic_train.tricks.constellation_init import ConstellationInit
+from ciuic_train.tricks.quantum_save import QuantumSave
 from ciuic_train.tricks.time_folded_accum import TimeFoldedAccum
 from ciuic_train.tricks.warm_restart import WarmRestart
 from conftest import compose_config, run_cli
@@ -40,7 +41,7 @@ def trainer_for(tmp_path, text_corpus, *overrides):
 def test_every_trick_has_a_config_file_and_a_one_line_summary():
     assert ALL_TRICKS == [
         "async_smoothed_loss", "chaotic_sampler", "constellation_init", "delayed_sync",
-        "time_folded_accum", "warm_restart",
+        "quantum_save", "time_folded_accum", "warm_restart",
     ]
     for name, cls in registry().items():
         assert cls.summary and "\n" not in cls.summary
@@ -189,6 +190,27 @@ def test_async_smoothed_loss_reports_the_ema_with_raw_gradients_and_keeps_no_gra
     assert reported == [8.0, 4.0, 6.0, 9.0]
 
 
+# --- quantum_save ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [1e-3, 0.3])
+def test_quantum_save_never_skips_more_than_max_skips_and_is_deterministic(p):
+    params = QuantumSave.Params(p=p, max_skips=3)
+    first, second = QuantumSave(ctx(), params), QuantumSave(ctx(), params)
+    decisions = [first.should_save(step, 10) for step in range(1, 5001)]
+    assert decisions == [second.should_save(step, 10) for step in range(1, 5001)]
+    candidates = [d for step, d in zip(range(1, 5001), decisions) if step % 10 == 0]
+    assert not any(d for step, d in zip(range(1, 5001), decisions) if step % 10)
+    gaps, run = [], 0
+    for saved in candidates:
+        run = 0 if saved else run + 1
+        gaps.append(run)
+    assert max(gaps) == first.longest_gap <= 3
+    rate = sum(candidates) / len(candidates)
+    assert rate == pytest.approx(0.25, abs=0.01) if p < 0.01 else 0.35 < rate < 0.55
+    assert first.metrics() == {"candidates": 500, "saves": sum(candidates), "longest_gap": max(gaps)}
+
+
 # --- bitwise: a trick switched off by its parameters is the baseline ----------------------
 
 NEUTRAL = {
@@ -196,6 +218,7 @@ NEUTRAL = {
     "async_smoothed_loss": ["trick.async_smoothed_loss.start_step=1000"],
     "delayed_sync": ["trick.delayed_sync.max_delay_s=0"],
     "time_folded_accum": ["trick.time_folded_accum.amplitude=0"],
+    "quantum_save": ["trick.quantum_save.p=1"],
 }
 NO_NEUTRAL_SETTING = {
     "chaotic_sampler": "its job is a re-ordering; every setting reorders some epoch",
@@ -207,12 +230,14 @@ NO_NEUTRAL_SETTING = {
 def test_a_trick_switched_off_by_its_parameters_is_bitwise_the_baseline(tmp_path, text_corpus, name):
     if name in NO_NEUTRAL_SETTING:
         pytest.skip(f"{name} has no neutral setting: {NO_NEUTRAL_SETTING[name]}")
-    common = ["train.grad_accum=2", "train.max_steps=4"]
+    common = ["train.grad_accum=2", "train.max_steps=4", "ckpt.every=2", "train.log_every=1"]
     runs = {}
     for label, extra in (("baseline", []), ("trick", [f"+trick={name}", *NEUTRAL[name]])):
-        trainer = trainer_for(tmp_path / label, text_corpus, *common, *extra)
-        losses = [trainer.train_step()["loss"] for _ in range(4)]
-        runs[label] = (losses, param_checksum(trainer.module))
+        (tmp_path / label).mkdir()
+        summary = trainer_for(tmp_path / label, text_corpus, *common, *extra).fit()
+        losses = [json.loads(line)["loss"] for line in (tmp_path / label / "metrics.jsonl").read_text().splitlines()]
+        checkpoints = sorted(p.name for p in (tmp_path / label / "checkpoints").iterdir())
+        runs[label] = (losses, summary["param_checksum"], checkpoints)
     assert runs["trick"] == runs["baseline"]
 
 

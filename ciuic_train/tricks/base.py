@@ -182,8 +182,10 @@ class TrickSet:
         return {t.name: t.state_dict() for t in self.tricks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Tricks absent from `state` (a resume with ckpt.allow_trick_change) start fresh."""
         for trick in self.tricks:
-            trick.load_state_dict(state[trick.name])
+            if trick.name in state:
+                trick.load_state_dict(state[trick.name])
 
     def close(self) -> None:
         for trick in self.tricks:

@@ -67,5 +67,6 @@ class DelayedSync(Trick):
         return {"rng": self.rng.getstate(), "slept_s": self.slept_s, "sleeps": self.sleeps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rng.setstate(state["rng"])
+        version, internal, gauss = state["rng"]  # JSON turned the tuples into lists
+        self.rng.setstate((version, tuple(internal), gauss))
         self.slept_s, self.sleeps = state["slept_s"], state["sleeps"]

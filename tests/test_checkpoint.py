@@ -1,0 +1,188 @@
+"""Checkpoints: complete, atomic, resumable bit for bit; refusals; signals; elastic restarts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ciuic_train.errors import UserError
+from ciuic_train.model import ModelConfig, Transformer
+from ciuic_train.trainer import Trainer
+from ciuic_train.tricks import registry
+from conftest import compose_config, run_cli
+
+TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0",
+        "progress=plain"]
+
+
+def corpus(text_corpus, tmp_path):
+    return ["data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+def make_trainer(run_dir, text_corpus, tmp_path, *overrides):
+    run_dir.mkdir(exist_ok=True)
+    return Trainer(compose_config(*TINY, *corpus(text_corpus, tmp_path), *overrides), run_dir)
+
+
+@pytest.mark.parametrize("trick", [None, *sorted(registry())])
+def test_resume_ends_bit_identical_to_an_uninterrupted_run(tmp_path, text_corpus, trick):
+    overrides = ["train.max_steps=10", "train.grad_accum=2", "ckpt.every=3", "train.eval_every=5", "train.log_every=1"]
+    if trick:
+        overrides.append(f"+trick={trick}")
+    whole = make_trainer(tmp_path / "whole", text_corpus, tmp_path, *overrides).fit()
+
+    interrupted = make_trainer(tmp_path / "cut", text_corpus, tmp_path, *overrides)
+    for _ in range(6):  # as if killed after step 7, past the step-6 checkpoint
+        interrupted.train_step()
+    interrupted.save_checkpoint()
+    interrupted.train_step()
+    resumed = make_trainer(tmp_path / "cut", text_corpus, tmp_path, *overrides)
+    assert resumed.step == 6 and resumed.resumed_from.name == "step_000006"
+    summary = resumed.fit()
+    assert summary["param_checksum"] == whole["param_checksum"]
+    assert summary["final_val_loss"] == whole["final_val_loss"]
+
+
+def test_resume_continues_metrics_without_duplicated_steps(tmp_path, text_corpus):
+    overrides = ["train.max_steps=8", "ckpt.every=4", "train.log_every=2"]
+    first = make_trainer(tmp_path / "run", text_corpus, tmp_path, *overrides)
+    first.fit()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    # Pretend the run died after step 6: the last checkpoint is step 4, metrics went on to 6.
+    metrics.write_text("\n".join(lines[:3]) + "\n")
+    for name in ("step_000008",):
+        import shutil
+
+        shutil.rmtree(tmp_path / "run" / "checkpoints" / name)
+    make_trainer(tmp_path / "run", text_corpus, tmp_path, *overrides).fit()
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == [2, 4, 6, 8]
+
+
+def test_keep_last_prunes_only_after_a_new_checkpoint_is_complete(tmp_path, text_corpus):
+    trainer = make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=10", "ckpt.every=2",
+                           "ckpt.keep_last=2")
+    trainer.fit()
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step_000008", "step_000010"]
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, text_corpus, monkeypatch):
+    trainer = make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=10")
+    for _ in range(3):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    trainer.train_step()
+
+    def dies_halfway(state, checkpoint_id):
+        (open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb")).write(b"partial")
+        raise KeyboardInterrupt  # the process is killed mid-write
+
+    monkeypatch.setattr("ciuic_train.checkpoint.dcp.save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_checkpoint()
+    monkeypatch.undo()
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [".tmp-step_000004", "step_000003"]
+    resumed = make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=10")
+    assert resumed.step == 3
+
+
+def test_corrupt_checkpoint_is_a_clear_error_not_a_fresh_start(tmp_path, text_corpus):
+    make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=4", "ckpt.every=0").fit()
+    (shard,) = (tmp_path / "run" / "checkpoints" / "step_000004").glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(UserError, match="checkpoint .*step_000004 is corrupt or incomplete"):
+        make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=8")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["model.dim=32"], "checkpoint model differs: model.dim is 64 there, 32 now"),
+        (["+trick=warm_restart"], "checkpoint tricks [] differ from this run's ['warm_restart']"),
+        (["dist.nproc_per_node=2"], "checkpoint was written by 1 ranks, this run has 2"),
+        (["resume=/nonexistent/x"], "no complete checkpoint at /nonexistent/x"),
+    ],
+)
+def test_incompatible_resume_is_refused_before_the_run_folder_is_touched(tmp_path, text_corpus, change, message):
+    run_dir = tmp_path / "run"
+    common = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=3", f"hydra.run.dir={run_dir}"]
+    assert run_cli(*common, cwd=tmp_path).returncode == 0
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    result = run_cli(*common, *change, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_trick_change_can_be_forced(tmp_path, text_corpus):
+    make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=4").fit()
+    resumed = make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=6", "+trick=warm_restart",
+                           "ckpt.allow_trick_change=true")
+    assert resumed.step == 4
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(tmp_path, text_corpus):
+    run_dir = tmp_path / "run"
+    args = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=100000", "train.log_every=1",
+            "ckpt.every=0", f"hydra.run.dir={run_dir}"]
+    exe = os.path.join(os.path.dirname(sys.executable), "ciuic-train")
+    process = subprocess.Popen([exe, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+        assert time.time() < deadline and process.poll() is None
+        time.sleep(0.2)
+    sent = time.time()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert time.time() - sent < 10
+    (checkpoint,) = (run_dir / "checkpoints").iterdir()
+    assert "stopped by SIGTERM" in out and not (run_dir / "summary.json").exists()
+    step = int(checkpoint.name.split("_")[1])
+    finish = run_cli(*args[:-3], f"train.max_steps={step + 3}", "ckpt.every=0", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert finish.returncode == 0, finish.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == step + 3
+
+
+def test_torchrun_restarts_after_a_killed_rank_and_ends_like_an_uninterrupted_run(tmp_path, text_corpus):
+    common = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=30", "ckpt.every=5", "train.log_every=5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(*extra):
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+             "-m", "ciuic_train", *common, *extra],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )
+
+    whole = torchrun(f"hydra.run.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = torchrun("fault.kill_rank=1", "fault.at_step=23", f"hydra.run.dir={tmp_path / 'killed'}")
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "fault injection: rank 1 kills itself after step 23" in killed.stderr
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step_000020")
+    assert summary["param_checksum"] == json.loads((tmp_path / "whole" / "summary.json").read_text())["param_checksum"]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [5, 10, 15, 20, 25, 30]
+
+
+def test_export_gives_one_file_that_loads_without_distributed(tmp_path, text_corpus):
+    trainer = make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=3")
+    trainer.fit()
+    exe = os.path.join(os.path.dirname(sys.executable), "ciuic-train-export")
+    result = subprocess.run([exe, str(tmp_path / "run")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    exported = torch.load(tmp_path / "run" / "model_step3.pt", weights_only=True)
+    model = Transformer(ModelConfig(**exported["model_config"]))
+    model.load_state_dict(exported["state_dict"])
+    tokens = torch.randint(0, 256, (1, 16))
+    torch.testing.assert_close(model.eval()(tokens), trainer.module.eval()(tokens), rtol=0, atol=0)
