@@ -51,7 +51,7 @@ def test_torchrun_ranks_share_one_run_folder_written_by_rank_0(tmp_path, text_co
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
     assert [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == [4, 8, 12]
-    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "metrics.jsonl", "summary.json", "train.log"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "checkpoints", "metrics.jsonl", "summary.json", "train.log"]
     assert result.stdout.count("step 12 |") == 1  # rank 0 alone reports
 
 

@@ -15,7 +15,7 @@ from ciuic_train.model import Transformer
 from ciuic_train.optim import WarmupCosine
 from ciuic_train.parallel import param_checksum
 from ciuic_train.trainer import Trainer
-from ciuic_train.tricks import build_tricks, check_tricks, registry
+from ciuic_train.tricks import check_tricks, registry
 from ciuic_train.tricks.async_smoothed_loss import AsyncSmoothedLoss
 from ciuic_train.tricks.base import Trick, TrickContext
 from ciuic_train.tricks.chaotic_sampler import ChaoticSampler
