@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import logging
 import os
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -165,10 +166,18 @@ class Parallel:
             raise error(message)
 
     def close(self, clean: bool = True) -> None:
-        """Destroy the group; after a clean run, once every rank is done with it."""
+        """Destroy the group; after a clean run, once every rank is done with it.
+
+        The pause matters: gloo's worker thread frees each finished collective's tensors
+        under the GIL. If the last reference to the group (held by DDP's reducer) goes
+        while that is still pending, the destructor joins the worker thread with the GIL
+        held and both wait forever (seen with torch 2.13: a rank hung after finishing).
+        Sleeping releases the GIL so the worker can drain first.
+        """
         if self.group_started and dist.is_initialized():
             if clean:
                 dist.barrier()
+                time.sleep(0.2)
             dist.destroy_process_group()
             self.group_started = False
 

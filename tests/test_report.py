@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 
@@ -60,7 +61,9 @@ def group(data, name):
     return next(g for g in data["groups"] if g["name"] == name)
 
 
-@pytest.mark.parametrize("t, df, p", [(2.0, 10, 0.07339), (1.0, 1, 0.5), (0.0, 7, 1.0), (3.0, 2, 1 - 3 / math.sqrt(11))])
+@pytest.mark.parametrize(
+    "t, df, p", [(2.0, 10, 0.07339), (1.0, 1, 0.5), (0.0, 7, 1.0), (3.0, 2, 1 - 3 / math.sqrt(11))]
+)
 def test_t_two_sided_p_matches_known_values(t, df, p):
     # df=2 has the closed form 1 - t / sqrt(2 + t^2).
     assert report.t_two_sided_p(t, df) == pytest.approx(p, abs=1e-5)
@@ -177,3 +180,13 @@ def test_plots_are_png(tmp_path):
     report.main([str(tmp_path)])
     for name in ("loss_curves.png", "effect.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_without_matplotlib_still_writes_md_and_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    sweep(tmp_path, effect=-0.3, seeds=2)
+    report.main([str(tmp_path)])
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert "not drawn: matplotlib is not installed" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["plots"] == []
+    assert not (tmp_path / "loss_curves.png").exists()
