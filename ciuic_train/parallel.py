@@ -47,11 +47,6 @@ class RankInfo:
         return self.rank == 0
 
 
-def under_elastic_agent() -> bool:
-    """True in a worker started by torchrun or torch's elastic launcher."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def resolve_strategy(cfg: DistConfig, world_size: int) -> Strategy:
     if cfg.strategy is Strategy.auto:
         return Strategy.ddp if world_size > 1 else Strategy.none

@@ -3,8 +3,9 @@
 # `ciuic_train.report` on the sweep folder (report.md, report.json, loss_curves.png,
 # effect.png there).
 #
-#   bash scripts/ablation.sh [MODEL] [STEPS] [SEEDS]      # defaults: tiny 30 "0,1"
+#   bash scripts/ablation.sh [MODEL] [STEPS] [SEEDS] [OVERRIDE ...]   # defaults: tiny 30 "0,1"
 #   bash scripts/ablation.sh small 300 0,1,2,3,4
+#   bash scripts/ablation.sh small 100 0,1,2 dist.nproc_per_node=2 train.batch_size=4   # tricks that act on DDP act
 #
 # Two seeds only show whether the pipeline works; a verdict other than "no detectable
 # effect" needs more seeds (5+) and more steps. Run from the repository root, with the
@@ -28,6 +29,7 @@ set -euo pipefail
 MODEL=${1:-tiny}
 STEPS=${2:-30}
 SEEDS=${3:-0,1}
+shift $(( $# < 3 ? $# : 3 ))  # the rest are extra overrides for every job
 EVAL=$(( STEPS / 6 > 0 ? STEPS / 6 : 1 ))
 WARMUP=$(( STEPS / 10 ))
 DIR=multirun/ablation-$(date +%Y%m%d-%H%M%S)
@@ -38,7 +40,7 @@ ciuic-train -m \
     seed="$SEEDS" model="$MODEL" \
     train.max_steps="$STEPS" train.eval_every="$EVAL" train.log_every=1 train.warmup_steps="$WARMUP" \
     train.grad_accum=2 data.shuffle=false ckpt.every="$EVAL" \
-    sample.max_new_tokens=0 progress=plain \
+    sample.max_new_tokens=0 progress=plain "$@" \
     hydra.sweep.dir="$DIR" || echo "ablation.sh: the sweep exited with status $?; reporting what finished" >&2
 
 python -m ciuic_train.report "$DIR"
