@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ciuic_train.errors import UserError
+from ciuic_train.files import written_atomically
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -145,11 +146,15 @@ class Checkpointer:
                 dcp.load(state, checkpoint_id=str(path))
             rank_state = json.loads((path / f"rank{self.rank}.json").read_text())
         except (Exception, CheckpointException) as err:  # DCP's own derives from BaseException
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UserError(f"checkpoint {path} is corrupt or incomplete ({first[:200]})") from None
+            raise _damaged(path, err) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         _decode_rng(rank_state.pop("rng"))
         return rank_state
+
+
+def _damaged(path: Path, err: BaseException) -> UserError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return UserError(f"checkpoint {path} is corrupt or incomplete ({first[:200]})")
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -199,9 +204,8 @@ def export_model(path: Path, out: Path) -> Path:
         with _single_process_is_fine():
             dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as err:
-        raise UserError(f"checkpoint {path} is corrupt or incomplete ({str(err).strip()[:200]})") from None
+        raise _damaged(path, err) from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save({"model_config": asdict(model_config), "state_dict": state["model"], "step": meta["step"]}, tmp)
-    os.replace(tmp, out)
+    with written_atomically(out) as tmp:
+        torch.save({"model_config": asdict(model_config), "state_dict": state["model"], "step": meta["step"]}, tmp)
     return out

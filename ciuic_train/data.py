@@ -21,6 +21,7 @@ import torch
 
 from ciuic_train.config import DataConfig
 from ciuic_train.errors import UserError
+from ciuic_train.files import written_atomically
 
 BYTE_VOCAB_SIZE = 256
 # Standard-library folders left out of the default corpus: test suites hold
@@ -158,9 +159,8 @@ def _write_byte_corpus(sources: Sources, folder: Path) -> None:
         train, val = _tail_split(train, sources.tail_fraction)
     # val.bin is written last: its presence marks a complete cache entry.
     for name, tokens in (("train.bin", train), ("val.bin", val)):
-        tmp = folder / f".{name}.{os.getpid()}.tmp"
-        tokens.astype(np.uint16).tofile(tmp)
-        os.replace(tmp, folder / name)
+        with written_atomically(folder / name) as tmp:
+            tokens.astype(np.uint16).tofile(tmp)
 
 
 def _read_bytes(files: list[Path]) -> np.ndarray:

@@ -31,6 +31,7 @@ from ciuic_train.data import (
     unigram_entropy,
 )
 from ciuic_train.errors import UserError
+from ciuic_train.files import written_atomically
 from ciuic_train.metrics import MetricsFile, ProgressDisplay
 from ciuic_train.model import Transformer, count_parameters, generate
 from ciuic_train.optim import WarmupCosine, build_optimizer
@@ -332,9 +333,8 @@ def drop_metrics_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    with written_atomically(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))
 
 
 def full_value(tensor: torch.Tensor) -> float:
@@ -345,6 +345,5 @@ def full_value(tensor: torch.Tensor) -> float:
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with written_atomically(path) as tmp:
+        tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")

@@ -26,6 +26,15 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
     )
 
 
+def torchrun(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`torchrun ARGS` with one thread per process, so two ranks fit two cores."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
 @pytest.fixture
 def text_corpus(tmp_path: Path) -> Path:
     """A small folder of text files: enough windows for tiny runs, several files for the split."""

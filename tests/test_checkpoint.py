@@ -16,7 +16,7 @@ from ciuic_train.errors import UserError
 from ciuic_train.model import ModelConfig, Transformer
 from ciuic_train.trainer import Trainer
 from ciuic_train.tricks import registry
-from conftest import compose_config, run_cli
+from conftest import compose_config, run_cli, torchrun
 
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0",
         "progress=plain"]
@@ -153,29 +153,27 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(tmp_path, text_cor
 
 def test_torchrun_restarts_after_a_killed_rank_and_ends_like_an_uninterrupted_run(tmp_path, text_corpus):
     common = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=30", "ckpt.every=5", "train.log_every=5"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def torchrun(*extra):
+    def restartable(*extra):
         # Rarely (3 of ~20 runs, only inside the full suite) a worker of the restarted group
         # has not exited minutes after the run finished; one retry keeps CI meaningful, and
         # the warning keeps it visible. Every assertion below still applies to the result.
         for attempt in (1, 2):
             try:
-                return subprocess.run(
-                    [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
-                     "-m", "ciuic_train", *common, *extra],
-                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150,
-                )
+                return torchrun("--nproc_per_node=2", "--max-restarts=1", "-m", "ciuic_train", *common, *extra,
+                                cwd=tmp_path, timeout=150)
             except subprocess.TimeoutExpired as err:
-                output = (err.stdout or b"").decode()[-3000:] + (err.stderr or b"").decode()[-3000:]
+                output = "".join(
+                    (part.decode() if isinstance(part, bytes) else part)[-3000:] for part in (err.stdout, err.stderr) if part
+                )
                 if attempt == 2:
                     raise AssertionError(f"torchrun {extra} timed out twice:\n{output}") from None
                 warnings.warn(f"torchrun {extra} hung at exit once; retrying. Output tail:\n{output[-1500:]}")
                 shutil.rmtree(tmp_path / extra[-1].split("=", 1)[1], ignore_errors=True)
 
-    whole = torchrun(f"hydra.run.dir={tmp_path / 'whole'}")
+    whole = restartable(f"hydra.run.dir={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = torchrun("fault.kill_rank=1", "fault.at_step=23", f"hydra.run.dir={tmp_path / 'killed'}")
+    killed = restartable("fault.kill_rank=1", "fault.at_step=23", f"hydra.run.dir={tmp_path / 'killed'}")
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert "fault injection: rank 1 kills itself after step 23" in killed.stderr
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())

@@ -12,17 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, torchrun
 
 TINY = ["model=tiny", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain"]
-
-
-def torchrun(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-    )
 
 
 def free_port() -> int:

@@ -2,9 +2,6 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,7 +20,7 @@ from ciuic_train.tricks.constellation_init import ConstellationInit
 from ciuic_train.tricks.quantum_save import QuantumSave
 from ciuic_train.tricks.time_folded_accum import TimeFoldedAccum
 from ciuic_train.tricks.warm_restart import WarmRestart
-from conftest import compose_config, run_cli
+from conftest import compose_config, run_cli, torchrun
 
 ALL_TRICKS = sorted(registry())
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0"]
@@ -264,10 +261,8 @@ def test_summary_lists_tricks_with_resolved_parameters(tmp_path, text_corpus):
 # --- real processes ----------------------------------------------------------------------
 
 
-def torchrun(*args, cwd, timeout=240):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "ciuic_train", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+def two_ranks(*args, cwd):
+    return torchrun("--nproc_per_node=2", "-m", "ciuic_train", *args, cwd=cwd)
 
 
 def test_gradient_neutral_tricks_under_ddp_end_bit_identical_to_the_baseline(tmp_path, text_corpus):
@@ -275,9 +270,9 @@ def test_gradient_neutral_tricks_under_ddp_end_bit_identical_to_the_baseline(tmp
     time_folded_accum with equal weights must leave every gradient, hence the weights, unchanged."""
     common = [*TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
               "train.max_steps=6", "train.grad_accum=2", "train.log_every=2", "progress=plain"]
-    baseline = torchrun(*common, f"hydra.run.dir={tmp_path / 'base'}", cwd=tmp_path)
+    baseline = two_ranks(*common, f"hydra.run.dir={tmp_path / 'base'}", cwd=tmp_path)
     assert baseline.returncode == 0, baseline.stderr[-3000:]
-    tricks = torchrun(
+    tricks = two_ranks(
         *common, "+trick=[delayed_sync,async_smoothed_loss,time_folded_accum]",
         "trick.delayed_sync.max_delay_s=0.05", "trick.delayed_sync.exempt_ranks=[1]",
         "trick.async_smoothed_loss.every=1", "trick.async_smoothed_loss.start_step=2",
@@ -295,7 +290,7 @@ def test_gradient_neutral_tricks_under_ddp_end_bit_identical_to_the_baseline(tmp
 
 def test_tricks_that_change_training_combine_under_ddp(tmp_path, text_corpus):
     run_dir = tmp_path / "run"
-    result = torchrun(
+    result = two_ranks(
         *TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
         "+trick=[warm_restart,chaotic_sampler,constellation_init,time_folded_accum]", "train.grad_accum=2",
         "train.max_steps=10", "train.log_every=1", "train.warmup_steps=2", "data.shuffle=false",
