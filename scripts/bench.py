@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ciuic_train.config import Config, Precision, register_configs, to_config
-from ciuic_train.model import Transformer, count_parameters
+from ciuic_train.model import Transformer
+from ciuic_train.model.deepseek import training_flops_per_token
 from ciuic_train.optim import build_optimizer
 from ciuic_train.trainer import Trainer
 
@@ -54,20 +55,6 @@ def matmul_peak(dtype: torch.dtype) -> dict[int, float]:
             best = min(best, time.perf_counter() - tic)
         figures[n] = 2 * n**3 / best / 1e9
     return figures
-
-
-def flops_per_token(model: Transformer, seq_len: int) -> float:
-    """Training FLOPs per token, torchtitan's convention: 6 x matmul params + attention scores.
-
-    The embedding is a lookup, not a matmul, so it leaves the count, unless it is tied
-    to the lm head, whose matmul is real.
-    """
-    cfg = model.config
-    _, active = count_parameters(model)
-    matmul_params = active - (0 if cfg.tie_embeddings else model.tok_embeddings.weight.numel())
-    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    attention = 6 * cfg.n_layers * cfg.n_heads * (qk_dim + cfg.v_head_dim) * seq_len
-    return 6 * matmul_params + attention
 
 
 def compose_config(args: argparse.Namespace) -> Config:
@@ -155,7 +142,7 @@ def main() -> None:
     peak_gflops = max(peaks[args.precision].values())
     peak_size = max(peaks[args.precision], key=peaks[args.precision].get)
 
-    flops = flops_per_token(Transformer(config.model), args.seq_len)
+    flops = training_flops_per_token(Transformer(config.model), args.seq_len)
     bare_tokens_per_s(config, WARMUP_STEPS)
     rounds = []
     for i in range(args.rounds):

@@ -8,10 +8,17 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from ciuic_train.model import ModelConfig, Transformer, count_parameters, generate
-from ciuic_train.model.deepseek import MoE, apply_rope, rope_tables
+from ciuic_train.model.deepseek import (
+    MoE,
+    apply_rope,
+    causal_attention,
+    grouped_mm_supported,
+    rope_tables,
+    training_flops_per_token,
+)
 
 REPO = Path(__file__).parents[1]
-PRESETS = ["tiny", "small", "deepseek_v2_lite", "deepseek_v3"]
+PRESETS = ["tiny", "small", "bench", "deepseek_v2_lite", "deepseek_v3"]
 
 
 @pytest.fixture(autouse=True)
@@ -104,6 +111,40 @@ def test_attention_scores_depend_only_on_relative_position(monkeypatch):
     assert (scores[:, 5, 2] - scores[:, 5, 4]).abs().max() > 1e-4
 
 
+def reference_attention(q, k, v, scale):
+    """Causal attention spelled out, no fused kernel."""
+    seq = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize(("qk_dim", "v_dim"), [(12, 8), (8, 12), (8, 8)])
+def test_padded_attention_matches_plain_attention_forward_and_grads(qk_dim, v_dim):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(2, 3, 10, qk_dim), (2, 3, 10, qk_dim), (2, 3, 10, v_dim)]
+    q, k, v = (torch.randn(s, generator=generator, dtype=torch.float64, requires_grad=True) for s in shapes)
+    grad_out = torch.randn(2, 3, 10, v_dim, generator=generator, dtype=torch.float64)
+    results = []
+    for attend in (causal_attention, reference_attention):
+        out = attend(q, k, v, scale=qk_dim**-0.5)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
+    assert results[0][0].shape == (2, 3, 10, v_dim)
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
+
+
+def test_mla_takes_the_fused_attention_kernel_on_cpu():
+    """The point of the padding: CPU SDPA's math fallback is several times slower."""
+    model = tiny_model()
+    assert model.config.v_head_dim != model.config.qk_nope_head_dim + model.config.qk_rope_head_dim
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(torch.randint(0, 256, (1, 16))).sum().backward()
+    ops = {event.key for event in prof.key_averages()}
+    assert any("flash_attention" in op for op in ops), sorted(op for op in ops if "attention" in op)
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
 @pytest.mark.parametrize("q_lora_rank", [0, 24])
 def test_mla_shapes(q_lora_rank):
     model = tiny_model(q_lora_rank=q_lora_rank).eval()
@@ -144,7 +185,7 @@ def make_moe(**overrides) -> MoE:
     torch.manual_seed(0)
     settings = dict(n_routed_experts=8, n_activated_experts=3) | overrides
     moe = MoE(load_preset("tiny", **settings))
-    for weight in (moe.gate.weight, moe.w1, moe.w2, moe.w3):
+    for weight in (moe.gate.weight, moe.w13, moe.w2):
         torch.nn.init.normal_(weight, std=0.3)
     return moe
 
@@ -194,12 +235,49 @@ def test_grouped_dispatch_equals_a_per_token_reference():
     for n, token in enumerate(x.reshape(-1, x.shape[-1])):
         out = moe.shared_experts(token)
         for weight, e in zip(weights[n], indices[n]):
-            hidden = F.silu(moe.w1[e] @ token) * (moe.w3[e] @ token)
+            w1, w3 = moe.w13[e].chunk(2)
+            hidden = F.silu(w1 @ token) * (w3 @ token)
             out = out + weight * (moe.w2[e] @ hidden)
         expected.append(out)
     with torch.no_grad():
         got = moe(x)
     torch.testing.assert_close(got, torch.stack(expected).view_as(x), atol=1e-5, rtol=1e-5)
+
+
+needs_grouped_mm = pytest.mark.skipif(
+    not grouped_mm_supported(torch.zeros(1), torch.float32), reason="torch._grouped_mm has no CPU kernel here"
+)
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_grouped_mm_experts_match_the_loop_forward_and_grads(precision):
+    moe = make_moe()
+    # Expert 5 gets no token: an empty group must be harmless in both directions.
+    counts = torch.tensor([7, 1, 12, 3, 9, 0, 4, 4])
+    x = torch.randn(int(counts.sum()), moe.gate.in_features, requires_grad=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    results = []
+    for grouped in (True, False):
+        with autocast:
+            out = moe.experts(x, counts, grouped=grouped)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+        results.append((out, *torch.autograd.grad(out, (x, moe.w13, moe.w2), grad_out)))
+    assert results[0][0].dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if precision == "fp32" else dict(atol=0.1, rtol=0.02)
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    assert results[0][2][5].abs().sum() == 0, "the idle expert got a gradient"
+
+
+@needs_grouped_mm
+def test_moe_uses_grouped_mm_when_it_can(monkeypatch):
+    moe = make_moe()
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    moe(torch.randn(2, 5, moe.gate.in_features))
+    assert len(calls) == 2, "one grouped matmul for gate+up, one for down"
 
 
 def test_training_forward_counts_tokens_per_expert_and_eval_does_not():
@@ -263,6 +341,18 @@ def test_published_parameter_counts_on_meta(name):
     assert active / 1e9 == pytest.approx(published_active, rel=active_tolerance)
     embedding = model.tok_embeddings.weight.numel()
     assert (active - embedding) / 1e9 == pytest.approx(published_active, rel=0.025)
+
+
+def test_bench_preset_is_the_issue_config_at_30_8m_flops_per_token():
+    cfg = load_preset("bench")
+    model = Transformer(cfg)
+    _, active = count_parameters(model)
+    # Attention 4 x 217k, dense FFN 786k, 3 MoE layers x (gate, shared, 2 of 8 experts) 592k, head 1.05M.
+    matmul_params = active - cfg.vocab_size * cfg.dim
+    assert matmul_params == pytest.approx(4.48e6, rel=0.001)
+    flops = training_flops_per_token(model, seq_len=256)
+    assert flops == 6 * matmul_params + 6 * 4 * 8 * (48 + 32) * 256
+    assert flops / 1e6 == pytest.approx(30.8, abs=0.05)
 
 
 def test_count_parameters_of_tiny_by_hand():

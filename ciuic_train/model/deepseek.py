@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.torch_version import TorchVersion
 from torch.utils.checkpoint import checkpoint
 
 from ciuic_train.model.config import ModelConfig
@@ -55,6 +56,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA that keeps the fused (flash) kernel when V's head dim differs from Q/K's.
+
+    The fused kernels want one head dim for q, k and v; MLA's 48 vs 32 would send SDPA to
+    its unfused math path, which is markedly slower on CPU. Zero padding is exact: zero
+    q/k columns add nothing to a score, zero v columns give zero output columns, cut off.
+    """
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if v_dim < qk_dim:
+        v = F.pad(v, (0, qk_dim - v_dim))
+    elif qk_dim < v_dim:
+        q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :v_dim]
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -103,7 +119,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)
 
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.qk_head_dim**-0.5)
+        y = causal_attention(q, k, v, scale=self.qk_head_dim**-0.5)
         return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.v_head_dim))
 
 
@@ -116,6 +132,23 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def grouped_mm_supported(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` can multiply `x`'s tokens in `dtype`, here and now.
+
+    CPU has a kernel (fp32 and bf16) from torch 2.9; CUDA takes bf16 on sm80 and newer.
+    Under torch.compile only bf16 traces (its meta function checks for bf16).
+    """
+    if not hasattr(torch, "_grouped_mm") or TorchVersion(torch.__version__) < "2.9":
+        return False
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False
+    if x.device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return False
 
 
 class MoE(nn.Module):
@@ -138,11 +171,11 @@ class MoE(nn.Module):
         self.route_scale = cfg.route_scale
         self.bias_update_rate = cfg.bias_update_rate
         self.gate = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
-        # Stacked so one grouped matmul can later replace the per-expert loop.
+        # Stacked over experts for one grouped matmul; w13 holds each expert's gate (w1)
+        # and up (w3) projections as one [2 * hidden, dim] matrix, so both take one product.
         n_experts, hidden, dim = cfg.n_routed_experts, cfg.moe_ffn_dim, cfg.dim
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.shared_experts = (
             SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.moe_ffn_dim)
             if cfg.n_shared_experts > 0
@@ -164,8 +197,28 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.route_scale, indices
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
+    def experts(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
+        """Run tokens x[M, dim], sorted by expert with counts[e] rows for expert e.
+
+        One grouped matmul per projection where `torch._grouped_mm` serves this device and
+        dtype (`grouped=None` decides; tests force either path), else a loop over experts.
+        `_grouped_mm` ignores autocast, so its inputs are cast to the autocast dtype here.
+        """
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        if grouped is None:
+            grouped = grouped_mm_supported(x, dtype)
+        if grouped:
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            w13, w2 = self.w13.to(dtype).transpose(-2, -1), self.w2.to(dtype).transpose(-2, -1)
+            gate, up = torch._grouped_mm(x.to(dtype), w13, offs=offsets).chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets)
+        # tolist() waits for the device; the grouped matmul above does not.
+        out = []
+        for e, tokens in enumerate(x.split(counts.tolist())):
+            gate, up = (tokens @ self.w13[e].T).chunk(2, dim=-1)
+            out.append((F.silu(gate) * up) @ self.w2[e].T)
+        return torch.cat(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -173,16 +226,14 @@ class MoE(nn.Module):
         weights, indices = self.route(x)
 
         # Sort the (token, slot) assignments by expert so each expert's tokens form one
-        # contiguous slice; then the loop runs over experts, not tokens.
+        # contiguous slice: a grouped matmul (or a loop over experts, not tokens) serves them.
         expert_of_assignment = indices.flatten()
         order = expert_of_assignment.argsort(stable=True)
         token_of_assignment = order // self.n_activated_experts
         counts = torch.bincount(expert_of_assignment, minlength=self.n_routed_experts)
         if self.training:
             self.tokens_per_expert += counts
-        # tolist() waits for the device; a grouped matmul fed by offsets would not.
-        slices = x[token_of_assignment].split(counts.tolist())
-        expert_out = torch.cat([self.expert(e, tokens) for e, tokens in enumerate(slices)])
+        expert_out = self.experts(x.index_select(0, token_of_assignment), counts)
         expert_out = expert_out * weights.flatten()[order].unsqueeze(-1)
         y = torch.zeros_like(x).index_add_(0, token_of_assignment, expert_out.type_as(x))
 
@@ -248,8 +299,8 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
             elif isinstance(module, MoE):
-                for weight in (module.w1, module.w2, module.w3):
-                    nn.init.normal_(weight, mean=0.0, std=std)
+                nn.init.normal_(module.w13, mean=0.0, std=std)
+                nn.init.normal_(module.w2, mean=0.0, std=std)
                 module.expert_bias.zero_()
                 module.tokens_per_expert.zero_()
         cos, sin = rope_tables(
@@ -322,9 +373,23 @@ def count_parameters(model: Transformer) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     inactive = 0
     for moe in model.moe_layers().values():
-        per_expert = sum(w[0].numel() for w in (moe.w1, moe.w2, moe.w3))
+        per_expert = moe.w13[0].numel() + moe.w2[0].numel()
         inactive += per_expert * (moe.n_routed_experts - moe.n_activated_experts)
     return total, total - inactive
+
+
+def training_flops_per_token(model: Transformer, seq_len: int) -> float:
+    """Training FLOPs per token, torchtitan's convention: 6 x matmul params + attention scores.
+
+    The embedding is a lookup, not a matmul, so it leaves the count, unless it is tied to
+    the lm head, whose matmul is real. Attention counts the full (not causal) score matrix.
+    """
+    cfg = model.config
+    _, active = count_parameters(model)
+    matmul_params = active - (0 if cfg.tie_embeddings else model.tok_embeddings.weight.numel())
+    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    attention = 6 * cfg.n_layers * cfg.n_heads * (qk_dim + cfg.v_head_dim) * seq_len
+    return 6 * matmul_params + attention
 
 
 @torch.no_grad()
