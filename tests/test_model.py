@@ -134,6 +134,20 @@ def test_padded_attention_matches_plain_attention_forward_and_grads(qk_dim, v_di
         torch.testing.assert_close(got, expected)
 
 
+def test_bf16_autocast_attention_matches_plain_attention_forward_and_grads():
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 10, 12, generator=generator, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 10, 8, generator=generator, requires_grad=True)
+    grad_out = torch.randn(2, 3, 10, 8, generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = causal_attention(q, k, v, scale=12**-0.5)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)))
+    expected = reference_attention(q, k, v, scale=12**-0.5)
+    expected = (expected, *torch.autograd.grad(expected, (q, k, v), grad_out))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.float(), b, atol=0.05, rtol=0.05)
+
+
 def test_mla_takes_the_fused_attention_kernel_on_cpu():
     """The point of the padding: CPU SDPA's math fallback is several times slower."""
     model = tiny_model()

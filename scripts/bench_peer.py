@@ -1,0 +1,322 @@
+"""Our model against transformers' DeepseekV3 at one config: tokens/s, GFLOP/s, MFU, peak memory.
+
+Both sides train the same shape (`model=bench` by default) with the same loop: forward,
+fp32 cross-entropy over every position, backward, fused AdamW (0.9/0.95, weight decay
+0.1 on matrices). transformers' model is built from a config in code (no weights), with
+SDPA attention and either its eager (per-expert loop) or grouped_mm experts.
+
+Timing: every variant is built and warmed up first, then rounds run each variant for a
+few steps in turn, the order rotating from round to round, so machine noise lands on
+every side alike; figures are medians over rounds. MFU is against the matmul peak timed
+in the same run, the better of its start and its end (fp32 peak for fp32, bf16 peak for
+bf16 autocast).
+Peak memory: each variant trains a few steps in a fresh subprocess that first imports
+both stacks; the figure is the growth of its peak RSS (VmHWM) past that point.
+
+    pip install -e '.[bench]'
+    python scripts/bench_peer.py [--model bench] [--rounds 5] [--steps 4] [--precision fp32 bf16]
+                                 [--compile] [--no-memory] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from ciuic_train.model import ModelConfig, Transformer, count_parameters
+from ciuic_train.model.deepseek import training_flops_per_token
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = ("ours", "hf_eager", "hf_grouped_mm")
+WARMUP_STEPS = 2
+MEMORY_STEPS = 3
+BETAS, WEIGHT_DECAY, LR = (0.9, 0.95), 0.1, 1e-4
+progress = Console(stderr=True)
+
+
+def load_model_config(name: str) -> ModelConfig:
+    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml")))
+
+
+def peer_model(cfg: ModelConfig, experts: str) -> torch.nn.Module:
+    """transformers' DeepseekV3ForCausalLM with exactly our shape; `experts` is eager or grouped_mm."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.dense_ffn_dim,
+        moe_intermediate_size=cfg.moe_ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        first_k_dense_replace=cfg.n_dense_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_heads,
+        q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        n_routed_experts=cfg.n_routed_experts,
+        num_experts_per_tok=cfg.n_activated_experts,
+        n_shared_experts=cfg.n_shared_experts,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.route_scale,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_interleave=True,
+        rms_norm_eps=cfg.norm_eps,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_dropout=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+        experts_implementation=experts,
+    )
+    if cfg.score_func != "sigmoid":
+        raise SystemExit("transformers' DeepseekV3 routes with sigmoid scores only")
+    model = DeepseekV3ForCausalLM(config)
+    assert model.config._experts_implementation == experts, model.config._experts_implementation
+    return model
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Fused AdamW, weight decay on matrices except the input embedding, for either model."""
+    embedding = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else model.tok_embeddings.weight
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2 and p is not embedding]
+    no_decay = [p for p in params if p.ndim < 2 or p is embedding]
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=True)
+
+
+@dataclass
+class Runner:
+    """One variant's model, optimizer and fixed batch; `step()` is one training step."""
+
+    name: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    autocast: Callable
+    hf: bool
+
+    def step(self) -> None:
+        with self.autocast():
+            out = self.model(self.inputs)
+        logits = out.logits if self.hf else out
+        loss = F.cross_entropy(logits.float().flatten(0, 1), self.targets.flatten())
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def time_steps(self, steps: int) -> float:
+        """Seconds per step over `steps` steps."""
+        tic = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        return (time.perf_counter() - tic) / steps
+
+
+def build(name: str, cfg: ModelConfig, precision: str, batch: int, seq: int) -> Runner:
+    torch.manual_seed(0)
+    hf = name.startswith("hf_")
+    if hf:
+        model = peer_model(cfg, name.removeprefix("hf_"))
+    else:
+        model = Transformer(cfg)
+        if name == "ours_compile":
+            for block in model.layers:
+                block.compile()
+    model.train()
+    tokens = torch.randint(cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else nullcontext
+    return Runner(name, model, adamw(model), tokens[:, :-1], tokens[:, 1:], autocast, hf)
+
+
+def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048), repeats: int = 10) -> float:
+    """Best GFLOP/s of a square torch.mm over a few sizes and repeats, after a warm-up."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        torch.mm(a, b)
+        for _ in range(repeats):
+            tic = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n**3 / (time.perf_counter() - tic) / 1e9)
+    return best
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory: VmHWM, which, unlike ru_maxrss, exec does not inherit."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_child(name: str, model: str, precision: str, batch: int, seq: int) -> None:
+    """In a fresh process: peak RSS growth, in MiB, of building and training one variant."""
+    import transformers  # noqa: F401  (both stacks loaded before the baseline, on every side)
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    before = peak_rss_mib()
+    runner = build(name, load_model_config(model), precision, batch, seq)
+    for _ in range(WARMUP_STEPS + MEMORY_STEPS):
+        runner.step()
+    after = peak_rss_mib()
+    print(json.dumps({"peak_rss_growth_mib": after - before, "peak_rss_mib": after}))
+
+
+def peak_memory(name: str, args: argparse.Namespace, precision: str) -> dict[str, float]:
+    command = [sys.executable, __file__, "--memory-child", name, "--model", args.model, "--precision", precision,
+               "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_precision(args: argparse.Namespace, cfg: ModelConfig, precision: str, flops: float) -> dict:
+    names = list(VARIANTS) + (["ours_compile"] if args.compile and precision == "fp32" else [])
+    runners, setup_s = {}, {}
+    for name in names:
+        progress.print(f"({precision}) building and warming up {name} ...")
+        tic = time.perf_counter()
+        runners[name] = build(name, cfg, precision, args.batch_size, args.seq_len)
+        runners[name].time_steps(WARMUP_STEPS)
+        setup_s[name] = time.perf_counter() - tic
+    counts = {name: sum(p.numel() for p in r.model.parameters()) for name, r in runners.items()}
+    if len(set(counts.values())) != 1:
+        raise SystemExit(f"the variants differ in size: {counts}")
+
+    per_round = {name: [] for name in names}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            per_round[name].append(runners[name].time_steps(args.steps))
+        progress.print(f"({precision}) round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {args.batch_size * args.seq_len / per_round[n][-1]:,.0f}" for n in names) + " tok/s")
+    del runners
+
+    tokens = args.batch_size * args.seq_len
+    results = {}
+    for name in names:
+        step_s = statistics.median(per_round[name])
+        results[name] = {
+            "tokens_per_s": tokens / step_s,
+            "gflops": tokens / step_s * flops / 1e9,
+            "setup_s": setup_s[name],
+            "rounds_tokens_per_s": [tokens / s for s in per_round[name]],
+        }
+        if not args.no_memory and name != "ours_compile":
+            progress.print(f"({precision}) peak memory of {name} (subprocess) ...")
+            results[name] |= peak_memory(name, args, precision)
+    return results
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="bench")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also time our model with compile=true (fp32)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child, args.model, args.precision[0], args.batch_size, args.seq_len)
+        return
+    os.environ["BENCH_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    load_at_start = os.getloadavg()[0]
+    cfg = load_model_config(args.model)
+    model = Transformer(cfg)
+    flops = training_flops_per_token(model, args.seq_len)
+    total, active = count_parameters(model)
+    del model
+    progress.print("timing matmul peak ...")
+    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+
+    results = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "load_avg_1min_at_start": load_at_start,
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "params": total,
+        "active_params": active,
+        "flops_per_token": flops,
+        "matmul_peak_gflops_at_start": dict(peaks),
+        "precisions": {},
+    }
+    for precision in args.precision:
+        results["precisions"][precision] = run_precision(args, cfg, precision, flops)
+    results["load_avg_1min_at_end"] = os.getloadavg()[0]
+    # Timed again at the end: a busy moment at the start must not flatter the MFU.
+    end_peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    results["matmul_peak_gflops_at_end"] = end_peaks
+    for precision, figures in results["precisions"].items():
+        peak = max(peaks[precision], end_peaks[precision])
+        for f in figures.values():
+            f["mfu"] = f["gflops"] / peak
+        peaks[precision] = peak
+    results["matmul_peak_gflops"] = peaks
+
+    console = Console()
+    console.print(
+        f"model={args.model} ({total / 1e6:.2f} M params, {active / 1e6:.2f} M active), B={args.batch_size} "
+        f"S={args.seq_len}, {flops / 1e6:.2f} MFLOP/token; torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, {args.threads} threads; matmul peak fp32 {peaks['fp32']:.0f}, "
+        f"bf16 {peaks['bf16']:.0f} GFLOP/s; load {load_at_start:.2f} -> {results['load_avg_1min_at_end']:.2f}"
+    )
+    for precision, figures in results["precisions"].items():
+        table = Table(title=f"{precision}{' autocast' if precision == 'bf16' else ''}: median of {args.rounds} rounds")
+        for column in ("variant", "tokens/s", "GFLOP/s", "MFU", "peak mem MiB", "ours / this", "build+warm-up s"):
+            table.add_column(column, justify="right")
+        ours = figures["ours"]["tokens_per_s"]
+        for name, f in figures.items():
+            memory = f"{f['peak_rss_growth_mib']:,.0f}" if "peak_rss_growth_mib" in f else "-"
+            table.add_row(name, f"{f['tokens_per_s']:,.0f}", f"{f['gflops']:.1f}", f"{f['mfu']:.1%}", memory,
+                          f"{ours / f['tokens_per_s']:.3f}", f"{f['setup_s']:.1f}")
+        console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
