@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ciuic_train.config import Config, register_configs, to_config
 from ciuic_train.errors import UserError
+from ciuic_train.slurm import WORKER_OVERRIDES, Task, end_stopped_task, in_slurm_task
 
 PROG = "ciuic-train"
 CONFIG_MODULE = "ciuic_train.conf"
@@ -48,7 +49,7 @@ def _hydra_job(cfg: DictConfig) -> float:
     """One training job inside Hydra's run (or sweep) folder; returns the final val loss for sweepers."""
     config = to_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if config.dist.nproc_per_node > 1 and not _under_elastic_agent():
+    if config.dist.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:  # no launcher has set the ranks
         return _launch_workers(config, run_dir)
 
     from ciuic_train.parallel import Parallel, RankInfo  # torch is imported only when a job runs
@@ -74,6 +75,8 @@ def _hydra_job(cfg: DictConfig) -> float:
             parallel.close(clean=finished)
     if info.is_main and not summary["stopped_by"]:
         show_results(summary, sample, config.sample.prompt)
+    if summary["stopped_by"] and in_slurm_task():
+        end_stopped_task(summary["stopped_by"], info.is_main)
     return summary["final_val_loss"]
 
 
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     plan = PLAN_FLAG in argv
     argv = [a for a in argv if a != PLAN_FLAG]
     if not _INFO_FLAGS.intersection(argv):
+        if _srun_tasks() > 1:
+            argv += _srun_task_overrides(argv)
         try:
             jobs = check_request(argv)
         except UserError as err:
@@ -137,8 +142,30 @@ def _worker_overrides(proposed_run_dir: str) -> list[str]:
     """
     overrides = [f"hydra.run.dir={quote_override(_agree_run_dir(proposed_run_dir))}"]
     if int(os.environ.get("RANK", 0)) != 0:
-        overrides += ["hydra.output_subdir=null", "hydra/job_logging=worker"]
+        overrides += WORKER_OVERRIDES
     return overrides
+
+
+def _srun_tasks() -> int:
+    """Tasks of this srun step when srun itself started the training processes."""
+    return int(os.environ.get("SLURM_NTASKS", 1)) if in_slurm_task() and "SUBMITIT_FOLDER" not in os.environ else 0
+
+
+def _srun_task_overrides(argv: list[str]) -> list[str]:
+    """`srun -n N ciuic-train ...`: each task is one rank of one run.
+
+    Ranks come from Slurm's variables. Tasks cannot agree on a `${now:}` folder before
+    they can talk, so unless the command names one, the run folder is named after the
+    job and step, the same on every task and again when the job is requeued.
+    """
+    task = Task.from_slurm()
+    task.export()
+    task.limit_threads()
+    overrides = []
+    if not any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv):
+        step = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
+        overrides.append(f"hydra.run.dir={quote_override(str(Path('outputs') / f'slurm-{step}'))}")
+    return overrides + (list(WORKER_OVERRIDES) if task.rank != 0 else [])
 
 
 def _agree_run_dir(proposal: str) -> str:
@@ -279,15 +306,38 @@ def check_request(argv: list[str]) -> list[CheckedJob]:
             jobs = BasicSweeper.split_arguments(parsed, None)[0] if args.multirun else [args.overrides]
         except (HydraException, OmegaConfBaseException) as err:
             raise UserError(_first_line(err)) from None
+        _check_launcher(parsed, args.multirun)
         if not args.multirun and any(o.is_sweep_override() for o in parsed):
             sweep = next(o.input_line for o in parsed if o.is_sweep_override())
             raise UserError(f"{sweep!r} is a sweep; add -m (--multirun) to run one job per value")
-        if args.multirun and _under_elastic_agent():
+        if args.multirun and (_under_elastic_agent() or _srun_tasks() > 1):
             raise UserError(
-                "-m under torchrun would run the whole sweep on every rank; "
+                "-m under torchrun or srun would run the whole sweep on every rank; "
                 f"sweep distributed jobs with {PROG} -m ... dist.nproc_per_node=N instead"
             )
         return [_check_job(job) for job in jobs]
+
+
+# Our launchers (conf/hydra/launcher/) and what each needs beyond Hydra itself.
+SUBMITIT_LAUNCHERS = {"slurm": "sbatch", "local": None}
+
+
+def _check_launcher(parsed: list[Any], multirun: bool) -> None:
+    """Say what a submitit launcher lacks here, before Hydra fails on it with a traceback."""
+    import importlib.util
+
+    chosen = [o.value() for o in parsed if o.key_or_group == "hydra/launcher"]
+    for name in (c for c in chosen if c in SUBMITIT_LAUNCHERS):
+        if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+            raise UserError(f"hydra/launcher={name} needs the slurm extra: pip install 'ciuic-train[slurm]'")
+        command = SUBMITIT_LAUNCHERS[name]
+        if command and shutil.which(command) is None:
+            raise UserError(
+                f"hydra/launcher={name} submits with Slurm's {command}, which is not on PATH here; "
+                "run from a Slurm login node, or try the same path locally with hydra/launcher=local"
+            )
+        if not multirun:
+            raise UserError(f"hydra/launcher={name} acts only with -m (Hydra launches jobs in multirun mode); add -m")
 
 
 def _check_job(overrides: list[str]) -> CheckedJob:

@@ -136,13 +136,13 @@ class Parallel:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         return self.all_reduce_sum_(t).item() / self.world_size
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if it is true on any rank."""
+    def max(self, value: int) -> int:
+        """The largest of a per-rank integer over all ranks."""
         if self.world_size == 1:
-            return flag
-        t = torch.tensor([int(flag)], device=self.device)
+            return value
+        t = torch.tensor([value], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return int(t.item())
 
     def gather(self, value: str) -> list[str]:
         if self.world_size == 1:

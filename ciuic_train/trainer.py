@@ -187,7 +187,8 @@ class Trainer:
         train = self.config.train
         n_params, n_active = count_parameters(self.module)
         log.info(
-            f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active) on {self.device}; "
+            f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active) on {self.device} "
+            f"({torch.get_num_threads()} threads); "
             f"data {self.data.description}: {len(self.data.train):,} train / {len(self.data.val):,} val tokens"
         )
         is_main = self.parallel.is_main
@@ -291,13 +292,19 @@ class Trainer:
 
 
 class StopRequest:
-    """SIGTERM (what Slurm sends before preemption) or Ctrl-C asks the loop to save and stop
-    after the current step; a second Ctrl-C interrupts at once."""
+    """A signal asks the loop to save a checkpoint and stop after the current step.
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGTERM: Slurm's cancel or preemption, or a plain `kill`; SIGUSR1: Slurm's warning
+    before the time limit (`--signal=USR1@N`, submitit's default); SIGINT: Ctrl-C, where
+    a second one interrupts at once. Ranks stop at the same step, under one signal name.
+    """
+
+    # Ranked: when ranks see different signals, the highest wins (a cancel must not
+    # turn into a requeue).
+    SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM)
 
     def __init__(self):
-        self.received: str | None = None
+        self.received = 0  # 1 + index in SIGNALS of the highest signal seen; 0: none
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopRequest":
@@ -307,12 +314,13 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        self.received = max(self.received, 1 + self.SIGNALS.index(signum))
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def agreed(self, parallel: Parallel) -> str | None:
-        """The signal, once any rank has one: every rank stops at the same step."""
-        return (self.received or "a signal on another rank") if parallel.any(self.received is not None) else None
+        """The signal's name once any rank has one, the same on every rank."""
+        highest = parallel.max(self.received)
+        return self.SIGNALS[highest - 1].name if highest else None
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():

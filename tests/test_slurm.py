@@ -1,0 +1,287 @@
+"""Cluster submission, against a real Slurm (scripts/slurm/local_cluster.sh start).
+
+Tests marked `slurm` submit real jobs. Without a cluster they are skipped, unless
+CIUIC_REQUIRE_SLURM=1 (set by .ci/run once it has started one), where that is a failure.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ciuic_train.cli import check_request
+from ciuic_train.config import DistConfig
+from ciuic_train.errors import UserError
+from conftest import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "scripts" / "slurm" / "train.sbatch"
+TINY = ("model=tiny", "sample.max_new_tokens=0")
+
+
+def _cluster_problem() -> str | None:
+    try:
+        import hydra_plugins.hydra_submitit_launcher  # noqa: F401
+    except ImportError:
+        return "hydra-submitit-launcher is not installed (pip install '.[slurm]')"
+    if shutil.which("sbatch") is None:
+        return "no sbatch on PATH"
+    try:
+        state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return "sinfo does not answer"
+    if not {"idle", "mixed"} & set(state):
+        return f"no idle Slurm node (sinfo: {state})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    problem = _cluster_problem()
+    if problem and os.environ.get("CIUIC_REQUIRE_SLURM") == "1":
+        pytest.fail(f"CIUIC_REQUIRE_SLURM=1 but {problem}")
+    if problem:
+        pytest.skip(f"{problem}: start one with scripts/slurm/local_cluster.sh start")
+
+
+def summary(folder: Path) -> dict:
+    return json.loads((folder / "summary.json").read_text())
+
+
+def wait_for_step(metrics: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.is_file() and sum(1 for _ in metrics.open()) >= step:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{metrics} did not reach step {step} in {timeout} s")
+
+
+def job_state(job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def release_when_requeued(job: str, timeout: float = 60) -> None:
+    """Slurm holds a requeued job back for two minutes; start it as soon as its last run
+    has been cleaned up (a few seconds), to keep the test short."""
+    deadline = time.monotonic() + timeout
+    while job_state(job) != "PENDING":
+        assert time.monotonic() < deadline, f"job {job} was not requeued (state {job_state(job)!r})"
+        time.sleep(0.2)
+    time.sleep(3)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+
+
+def array_job_ids(sweep: Path, count: int = 1, timeout: float = 60) -> list[str]:
+    """The Slurm ids of a sweep's jobs, from the submitit folders: `<array>_<index>` for
+    the elements of an array (beside the array's own folder), the plain id for one job."""
+    deadline = time.monotonic() + timeout
+    while True:
+        names = sorted(p.name for p in (sweep / ".submitit").glob("*") if p.name[0].isdigit())
+        ids = [n for n in names if "_" in n] or names
+        if len(ids) >= count:
+            return ids
+        assert time.monotonic() < deadline, f"no {count} submitted jobs under {sweep}"
+        time.sleep(0.1)
+
+
+# --- without a cluster -------------------------------------------------------------
+
+
+def test_launcher_mistakes_are_one_line_errors(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match=r"hydra/launcher=slurm acts only with -m"):
+        check_request(["hydra/launcher=slurm", *TINY])
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(UserError, match=r"Slurm's sbatch, which is not on PATH.*hydra/launcher=local"):
+        check_request(["-m", "hydra/launcher=slurm", *TINY])
+
+
+def test_missing_slurm_extra_is_named(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if "submitit" in name else real(name, *a))
+    with pytest.raises(UserError, match=r"pip install 'ciuic-train\[slurm\]'"):
+        check_request(["-m", "hydra/launcher=local", *TINY])
+
+
+def test_a_cancel_outranks_a_time_limit_warning():
+    """Ranks that saw different signals agree on one; SIGTERM (a cancel) must not become a requeue."""
+    import torch
+
+    from ciuic_train.parallel import Parallel
+    from ciuic_train.trainer import StopRequest
+
+    single = Parallel(DistConfig(), torch.device("cpu"))
+    with StopRequest() as stop:
+        assert stop.agreed(single) is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.agreed(single) == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.agreed(single) == "SIGTERM"
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # restored
+
+
+def test_rendezvous_port_follows_the_job(monkeypatch):
+    from ciuic_train.slurm import PORT_BASE, PORT_SPAN, Task
+
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    ports = set()
+    for job in ("41", "42", "43"):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        ports.add(Task(job, 0, 0, 2, 1, "node1").master_port)
+    assert len(ports) == 3 and all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
+
+
+def test_local_launcher_trains_two_ranks_in_one_folder(tmp_path):
+    """hydra/launcher=local: the Slurm launcher's path (one task per rank) without Slurm."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", *TINY, "train.max_steps=4",
+        f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    job = summary(sweep / "0")
+    assert job["world_size"] == 2 and job["strategy"] == "ddp" and job["steps"] == 4
+    # Rank 0 alone wrote the Hydra files and the log: one config, one log, no worker logs.
+    assert (sweep / "0" / ".hydra" / "config.yaml").is_file()
+    assert sorted(p.name for p in (sweep / "0").glob("*.log")) == ["train.log"]
+
+
+# --- on the cluster -----------------------------------------------------------------
+
+
+@pytest.mark.slurm
+def test_sweep_becomes_a_job_array_with_a_summary_per_job(slurm, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "-m", "hydra/launcher=slurm", "+trick=[],[chaotic_sampler]", *TINY, "train.max_steps=10",
+        f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [summary(sweep / n)["tricks"] for n in ("0", "1")] == [[], ["chaotic_sampler"]]
+    ids = array_job_ids(sweep, count=2)
+    assert len(ids) == 2 and len({i.split("_")[0] for i in ids}) == 1, ids  # one array, two elements
+
+
+@pytest.mark.slurm
+def test_two_task_job_trains_one_run_with_world_size_two(slurm, tmp_path):
+    """Two srun tasks are two ranks of one run; the same run as plain `srun -n 2 ciuic-train`."""
+    sweep = tmp_path / "sweep"
+    common = (*TINY, "train.max_steps=6")
+    result = run_cli(
+        "-m", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", *common, f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    launched = summary(sweep / "0")
+    assert launched["world_size"] == 2 and launched["strategy"] == "ddp"
+
+    exe = Path(sys.executable).with_name("ciuic-train")
+    plain = subprocess.run(
+        ["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path / 'srun.out'}",
+         f"--wrap=srun {exe} {' '.join(common)}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert plain.returncode == 0, (tmp_path / "srun.out").read_text()[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("slurm-*")
+    assert summary(run_dir)["world_size"] == 2
+    # Both ranks checked the checksum against each other (the run fails otherwise), and
+    # the two ways of starting the tasks train the same model.
+    assert summary(run_dir)["param_checksum"] == launched["param_checksum"]
+
+
+@pytest.mark.slurm
+def test_sbatch_template_runs_torchrun_with_two_processes(slurm, tmp_path):
+    result = subprocess.run(
+        ["sbatch", "--wait", "--cpus-per-task=2", f"--output={tmp_path / 'job.out'}",
+         "--export=ALL,NPROC_PER_NODE=2,RUN_DIR=run", str(TEMPLATE), *TINY, "train.max_steps=6"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, (tmp_path / "job.out").read_text()[-3000:]
+    job = summary(tmp_path / "run")
+    assert job["world_size"] == 2 and job["steps"] == 6
+
+
+@pytest.mark.slurm
+def test_cancelled_job_is_reported_failed_with_its_log(slurm, tmp_path):
+    sweep = tmp_path / "sweep"
+    exe = Path(sys.executable).with_name("ciuic-train")
+    sweep_process = subprocess.Popen(
+        [str(exe), "-m", "hydra/launcher=slurm", *TINY, "train.max_steps=100000", "train.log_every=1",
+         f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for_step(sweep / "0" / "metrics.jsonl", 2)
+        (job,) = array_job_ids(sweep)
+        subprocess.run(["scancel", job], check=True)
+        _, err = sweep_process.communicate(timeout=120)
+    finally:
+        sweep_process.kill()
+    assert sweep_process.returncode == 1, err[-3000:]
+    assert "1 of 1 jobs failed" in err and "job #0" in err and "CANCELLED" in err, err[-3000:]
+    log = Path(err.split("log: ")[1].split()[0])
+    assert log.is_file() and job.split("_")[0] in log.name
+
+
+@pytest.mark.slurm
+def test_time_limit_signal_requeues_and_resumes_to_the_uninterrupted_result(slurm, tmp_path):
+    """Two identical jobs; Slurm's pre-timeout signal (USR1) goes to the second, which saves,
+    requeues itself and resumes. Both must end with bit-identical weights."""
+    sweep = tmp_path / "sweep"
+    exe = Path(sys.executable).with_name("ciuic-train")
+    sweep_process = subprocess.Popen(
+        [str(exe), "-m", "hydra/launcher=slurm", *TINY, "seed=0,0", "train.max_steps=120", "train.log_every=1",
+         "ckpt.every=0", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for_step(sweep / "1" / "metrics.jsonl", 3)
+        preempted = array_job_ids(sweep, count=2)[1]
+        subprocess.run(["scancel", "--signal=USR1", preempted], check=True)
+        release_when_requeued(preempted)
+        _, err = sweep_process.communicate(timeout=300)
+    finally:
+        sweep_process.kill()
+    assert sweep_process.returncode == 0, err[-3000:]
+    uninterrupted, resumed = summary(sweep / "0"), summary(sweep / "1")
+    assert uninterrupted["resumed_from"] is None and resumed["resumed_from"] is not None
+    assert resumed["steps"] == uninterrupted["steps"] == 120
+    assert resumed["param_checksum"] == uninterrupted["param_checksum"]
+
+
+@pytest.mark.slurm
+def test_sbatch_template_requeues_before_the_time_limit(slurm, tmp_path):
+    """The template's own path: USR1 to the batch script (as --signal=B:USR1@120 sends it)."""
+    args = ["--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2,RUN_DIR=run", str(TEMPLATE), *TINY,
+            "train.max_steps=100", "train.log_every=1", "ckpt.every=0"]
+    job = subprocess.run(
+        ["sbatch", "--parsable", f"--output={tmp_path / 'job.out'}", *args],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    wait_for_step(tmp_path / "run" / "metrics.jsonl", 3)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    release_when_requeued(job)
+    deadline = time.monotonic() + 300
+    while job_state(job):
+        assert time.monotonic() < deadline, (tmp_path / "job.out").read_text()[-3000:]
+        time.sleep(0.5)
+    resumed = summary(tmp_path / "run")
+    assert resumed["resumed_from"] is not None and resumed["steps"] == 100, (tmp_path / "job.out").read_text()[-3000:]
+
+    reference = subprocess.run(
+        ["sbatch", "--wait", f"--output={tmp_path / 'ref.out'}",
+         *[a.replace("RUN_DIR=run", "RUN_DIR=ref") for a in args]],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert reference.returncode == 0, (tmp_path / "ref.out").read_text()[-3000:]
+    assert summary(tmp_path / "ref")["param_checksum"] == resumed["param_checksum"]
