@@ -306,7 +306,7 @@ def check_request(argv: list[str]) -> list[CheckedJob]:
             jobs = BasicSweeper.split_arguments(parsed, None)[0] if args.multirun else [args.overrides]
         except (HydraException, OmegaConfBaseException) as err:
             raise UserError(_first_line(err)) from None
-        _check_launcher(parsed, args.multirun)
+        launcher = _check_launcher(parsed, args.multirun)
         if not args.multirun and any(o.is_sweep_override() for o in parsed):
             sweep = next(o.input_line for o in parsed if o.is_sweep_override())
             raise UserError(f"{sweep!r} is a sweep; add -m (--multirun) to run one job per value")
@@ -315,19 +315,26 @@ def check_request(argv: list[str]) -> list[CheckedJob]:
                 "-m under torchrun or srun would run the whole sweep on every rank; "
                 f"sweep distributed jobs with {PROG} -m ... dist.nproc_per_node=N instead"
             )
-        return [_check_job(job) for job in jobs]
+        checked = [_check_job(job) for job in jobs]
+        if launcher and any(job.config.dist.nproc_per_node > 1 for job in checked):
+            raise UserError(
+                f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
+                "instead of dist.nproc_per_node=N"
+            )
+        return checked
 
 
 # Our launchers (conf/hydra/launcher/) and what each needs beyond Hydra itself.
 SUBMITIT_LAUNCHERS = {"slurm": "sbatch", "local": None}
 
 
-def _check_launcher(parsed: list[Any], multirun: bool) -> None:
-    """Say what a submitit launcher lacks here, before Hydra fails on it with a traceback."""
+def _check_launcher(parsed: list[Any], multirun: bool) -> str | None:
+    """Say what a submitit launcher lacks here, before Hydra fails on it with a traceback;
+    the one chosen, if any."""
     import importlib.util
 
-    chosen = [o.value() for o in parsed if o.key_or_group == "hydra/launcher"]
-    for name in (c for c in chosen if c in SUBMITIT_LAUNCHERS):
+    chosen = [o.value() for o in parsed if o.key_or_group == "hydra/launcher" and o.value() in SUBMITIT_LAUNCHERS]
+    for name in chosen:
         if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
             raise UserError(f"hydra/launcher={name} needs the slurm extra: pip install 'ciuic-train[slurm]'")
         command = SUBMITIT_LAUNCHERS[name]
@@ -338,6 +345,7 @@ def _check_launcher(parsed: list[Any], multirun: bool) -> None:
             )
         if not multirun:
             raise UserError(f"hydra/launcher={name} acts only with -m (Hydra launches jobs in multirun mode); add -m")
+    return chosen[0] if chosen else None
 
 
 def _check_job(overrides: list[str]) -> CheckedJob:

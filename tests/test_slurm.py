@@ -97,6 +97,8 @@ def array_job_ids(sweep: Path, count: int = 1, timeout: float = 60) -> list[str]
 def test_launcher_mistakes_are_one_line_errors(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"hydra/launcher=slurm acts only with -m"):
         check_request(["hydra/launcher=slurm", *TINY])
+    with pytest.raises(UserError, match=r"set hydra.launcher.tasks_per_node=N instead of dist.nproc_per_node=N"):
+        check_request(["-m", "hydra/launcher=local", "dist.nproc_per_node=2", *TINY])
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(UserError, match=r"Slurm's sbatch, which is not on PATH.*hydra/launcher=local"):
         check_request(["-m", "hydra/launcher=slurm", *TINY])
