@@ -164,6 +164,29 @@ def grouped_mm_supported(x: torch.Tensor, dtype: torch.dtype) -> bool:
     return False
 
 
+def pad_groups(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Space expert-sorted rows x so each expert's group starts at a multiple of 64 rows.
+
+    Returns (padded x, where each row of x went or None if unpadded, int32 group ends for
+    `_grouped_mm`).
+    Only for bf16 (or fp16) on CPU: those matmuls go through oneDNN, which builds and
+    caches a kernel per shape; with a new row count per expert per step it rebuilt
+    kernels all the time (a seventh of the bf16 step) and its caches grew by hundreds of
+    MB in a few steps. Multiples of 64 leave a handful of shapes for ~6% of zero rows. The
+    buffer has a fixed size, so no host sync; rows past the last end are never read. fp32
+    matmuls keep no such cache, and there the zero rows would only cost time.
+    """
+    if x.device.type != "cpu" or x.dtype == torch.float32:
+        return x, None, counts.cumsum(0, dtype=torch.int32)
+    align = 64
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)
+    rows = torch.arange(len(x), device=x.device) + shift.repeat_interleave(counts, output_size=len(x))
+    buffer = x.new_zeros(len(x) + len(counts) * (align - 1), x.shape[-1])
+    return buffer.index_copy(0, rows, x), rows, ends.to(torch.int32)
+
+
 class MoE(nn.Module):
     """DeepSeekMoE: top-k of many small routed experts, plus shared experts every token uses.
 
@@ -221,10 +244,11 @@ class MoE(nn.Module):
         if grouped is None:
             grouped = grouped_mm_supported(x, dtype)
         if grouped:
-            offsets = counts.cumsum(0, dtype=torch.int32)
+            x, rows, offsets = pad_groups(x.to(dtype), counts)
             w13, w2 = self.w13.to(dtype).transpose(-2, -1), self.w2.to(dtype).transpose(-2, -1)
-            gate, up = torch._grouped_mm(x.to(dtype), w13, offs=offsets).chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets)
+            gate, up = torch._grouped_mm(x, w13, offs=offsets).chunk(2, dim=-1)
+            out = torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets)
+            return out if rows is None else out.index_select(0, rows)
         # tolist() waits for the device; the grouped matmul above does not.
         out = []
         for e, tokens in enumerate(x.split(counts.tolist())):
