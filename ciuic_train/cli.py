@@ -22,6 +22,7 @@ from typing import Any
 import hydra
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -75,9 +76,18 @@ def _hydra_job(cfg: DictConfig) -> float:
             parallel.close(clean=finished)
     if info.is_main and not summary["stopped_by"]:
         show_results(summary, sample, config.sample.prompt)
-    if summary["stopped_by"] and in_slurm_task():
-        end_stopped_task(summary["stopped_by"], info.is_main)
+    if summary["stopped_by"]:
+        _after_stop(summary["stopped_by"], info.is_main)
     return summary["final_val_loss"]
+
+
+def _after_stop(signal_name: str, is_main: bool) -> None:
+    """A signal stopped the run and its checkpoint is saved: a Slurm task ends without a
+    result (requeued on the time-limit warning), and a sweep starts no further job."""
+    if in_slurm_task():
+        end_stopped_task(signal_name, is_main)
+    if HydraConfig.get().mode is RunMode.MULTIRUN:
+        fail(f"sweep stopped by {signal_name} during job #{HydraConfig.get().job.num}; later jobs were not started", 1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,6 +231,9 @@ def _launch_workers(config: Config, run_dir: Path) -> float:
             sys.exit(2)
         failed = ", ".join(f"rank {rank} exit code {f.exitcode}" for rank, f in sorted(err.failures.items()))
         fail(f"workers failed ({failed}); see {run_dir / 'train.log'}", status=1)
+    if not (run_dir / "summary.json").is_file():  # the workers saved and stopped on a signal
+        _after_stop("a signal", is_main=True)
+        return float("nan")
     summary = json.loads((run_dir / "summary.json").read_text())
     return summary["final_val_loss"]
 

@@ -194,3 +194,23 @@ def test_export_gives_one_file_that_loads_without_distributed(tmp_path, text_cor
     model.load_state_dict(exported["state_dict"])
     tokens = torch.randint(0, 256, (1, 16))
     torch.testing.assert_close(model.eval()(tokens), trainer.module.eval()(tokens), rtol=0, atol=0)
+
+
+def test_sigterm_stops_a_sweep_after_saving_the_running_job(tmp_path, text_corpus):
+    """A signal ends the whole sweep: the running job saves, later jobs do not start."""
+    sweep = tmp_path / "sweep"
+    args = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=100000", "train.log_every=1", "ckpt.every=0",
+            "seed=0,1", f"hydra.sweep.dir={sweep}"]
+    exe = os.path.join(os.path.dirname(sys.executable), "ciuic-train")
+    process = subprocess.Popen([exe, "-m", *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    metrics = sweep / "0" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not metrics.is_file() or not metrics.read_text():
+        assert time.time() < deadline and process.poll() is None
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 1, err
+    assert "sweep stopped by SIGTERM during job #0; later jobs were not started" in err
+    assert any((sweep / "0" / "checkpoints").iterdir()) and not (sweep / "1").exists()

@@ -67,6 +67,27 @@ def job_state(job: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
+def wait_until_gone(job: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while job_state(job):
+        assert time.monotonic() < deadline, f"job {job} still {job_state(job)} after {timeout} s"
+        time.sleep(0.3)
+
+
+def sbatch(*args: str, cwd: Path, wait: bool = True) -> str:
+    """Submit a batch job; with wait, return once it has left the queue (`sbatch --wait`
+    polls with a back-off of up to half a minute, longer than these jobs run)."""
+    job = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, capture_output=True, text=True, check=True)
+    job_id = job.stdout.strip().split(";")[0]
+    if wait:
+        wait_until_gone(job_id)
+    return job_id
+
+
+def exit_code(job: str) -> str:
+    return subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "ExitCode"], capture_output=True, text=True).stdout.strip()
+
+
 def release_when_requeued(job: str, timeout: float = 60) -> None:
     """Slurm holds a requeued job back for two minutes; start it as soon as its last run
     has been cleaned up (a few seconds), to keep the test short."""
@@ -188,29 +209,13 @@ def test_two_task_job_trains_one_run_with_world_size_two(slurm, tmp_path):
     assert launched["world_size"] == 2 and launched["strategy"] == "ddp"
 
     exe = Path(sys.executable).with_name("ciuic-train")
-    plain = subprocess.run(
-        ["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path / 'srun.out'}",
-         f"--wrap=srun {exe} {' '.join(common)}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )
-    assert plain.returncode == 0, (tmp_path / "srun.out").read_text()[-3000:]
+    job = sbatch("--ntasks=2", f"--output={tmp_path / 'srun.out'}", f"--wrap=srun {exe} {' '.join(common)}", cwd=tmp_path)
+    assert exit_code(job) == "0:0", (tmp_path / "srun.out").read_text()[-3000:]
     (run_dir,) = (tmp_path / "outputs").glob("slurm-*")
     assert summary(run_dir)["world_size"] == 2
     # Both ranks checked the checksum against each other (the run fails otherwise), and
     # the two ways of starting the tasks train the same model.
     assert summary(run_dir)["param_checksum"] == launched["param_checksum"]
-
-
-@pytest.mark.slurm
-def test_sbatch_template_runs_torchrun_with_two_processes(slurm, tmp_path):
-    result = subprocess.run(
-        ["sbatch", "--wait", "--cpus-per-task=2", f"--output={tmp_path / 'job.out'}",
-         "--export=ALL,NPROC_PER_NODE=2,RUN_DIR=run", str(TEMPLATE), *TINY, "train.max_steps=6"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, (tmp_path / "job.out").read_text()[-3000:]
-    job = summary(tmp_path / "run")
-    assert job["world_size"] == 2 and job["steps"] == 6
 
 
 @pytest.mark.slurm
@@ -262,28 +267,24 @@ def test_time_limit_signal_requeues_and_resumes_to_the_uninterrupted_result(slur
 
 
 @pytest.mark.slurm
-def test_sbatch_template_requeues_before_the_time_limit(slurm, tmp_path):
-    """The template's own path: USR1 to the batch script (as --signal=B:USR1@120 sends it)."""
-    args = ["--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2,RUN_DIR=run", str(TEMPLATE), *TINY,
-            "train.max_steps=100", "train.log_every=1", "ckpt.every=0"]
-    job = subprocess.run(
-        ["sbatch", "--parsable", f"--output={tmp_path / 'job.out'}", *args],
-        cwd=tmp_path, capture_output=True, text=True, check=True,
-    ).stdout.strip()
+def test_sbatch_template_runs_torchrun_and_requeues_before_the_time_limit(slurm, tmp_path):
+    """The template: two torchrun workers, once uninterrupted, once signalled as
+    `--signal=B:USR1@120` does (USR1 to the batch script), requeued and resumed."""
+    args = ["--cpus-per-task=2", str(TEMPLATE), *TINY, "train.max_steps=60", "train.log_every=1", "ckpt.every=0"]
+    reference = sbatch(f"--output={tmp_path / 'ref.out'}", "--export=ALL,NPROC_PER_NODE=2,RUN_DIR=ref", *args,
+                       cwd=tmp_path)
+    assert exit_code(reference) == "0:0", (tmp_path / "ref.out").read_text()[-3000:]
+    uninterrupted = summary(tmp_path / "ref")
+    assert uninterrupted["world_size"] == 2 and uninterrupted["resumed_from"] is None
+
+    job = sbatch(f"--output={tmp_path / 'job.out'}", "--export=ALL,NPROC_PER_NODE=2,RUN_DIR=run", *args,
+                 cwd=tmp_path, wait=False)
     wait_for_step(tmp_path / "run" / "metrics.jsonl", 3)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
     release_when_requeued(job)
-    deadline = time.monotonic() + 300
-    while job_state(job):
-        assert time.monotonic() < deadline, (tmp_path / "job.out").read_text()[-3000:]
-        time.sleep(0.5)
+    wait_until_gone(job)
+    log = (tmp_path / "job.out").read_text()
+    assert "requeueing job" in log, log[-3000:]
     resumed = summary(tmp_path / "run")
-    assert resumed["resumed_from"] is not None and resumed["steps"] == 100, (tmp_path / "job.out").read_text()[-3000:]
-
-    reference = subprocess.run(
-        ["sbatch", "--wait", f"--output={tmp_path / 'ref.out'}",
-         *[a.replace("RUN_DIR=run", "RUN_DIR=ref") for a in args]],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )
-    assert reference.returncode == 0, (tmp_path / "ref.out").read_text()[-3000:]
-    assert summary(tmp_path / "ref")["param_checksum"] == resumed["param_checksum"]
+    assert resumed["resumed_from"] is not None and resumed["steps"] == 60, log[-3000:]
+    assert resumed["param_checksum"] == uninterrupted["param_checksum"]
