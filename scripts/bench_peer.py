@@ -45,7 +45,7 @@ from ciuic_train.model.deepseek import training_flops_per_token
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("ours", "hf_eager", "hf_grouped_mm")
 WARMUP_STEPS = 2
-MEMORY_STEPS = 3
+MEMORY_STEPS = 8
 BETAS, WEIGHT_DECAY, LR = (0.9, 0.95), 0.1, 1e-4
 progress = Console(stderr=True)
 

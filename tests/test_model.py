@@ -369,6 +369,17 @@ def test_bench_preset_is_the_issue_config_at_30_8m_flops_per_token():
     assert flops / 1e6 == pytest.approx(30.8, abs=0.05)
 
 
+def test_bench_model_composes_like_any_preset():
+    from hydra import compose, initialize_config_module
+
+    from ciuic_train.config import register_configs, to_config
+
+    register_configs()
+    with initialize_config_module(config_module="ciuic_train.conf", version_base="1.3"):
+        config = to_config(compose(config_name="config", overrides=["model=bench", "train.seq_len=256"]))
+    assert config.model == load_preset("bench")
+
+
 def test_count_parameters_of_tiny_by_hand():
     cfg = load_preset("tiny")
     total, active = count_parameters(Transformer(cfg))

@@ -1,7 +1,8 @@
 """A DeepSeek-V2/V3 style decoder: Multi-head Latent Attention plus DeepSeekMoE.
 
-Read top to bottom: RMSNorm, RoPE, attention, the dense FFN, the MoE, the block, the
-model, then parameter counting and sampling. The model returns logits only; the trainer
+Read top to bottom: RMSNorm, RoPE, the attention kernel and MLA, the dense FFN, the
+grouped-matmul helpers and the MoE, the block, the model, then parameter and FLOP
+counting and sampling. The model returns logits only; the trainer
 owns the loss.
 
 Weight decay rule for the trainer: decay parameters with ndim >= 2 except
