@@ -11,6 +11,7 @@ from ciuic_train.model import ModelConfig, Transformer, count_parameters, genera
 from ciuic_train.model.deepseek import (
     MoE,
     apply_rope,
+    blocked_attention,
     causal_attention,
     grouped_mm_supported,
     rope_tables,
@@ -120,16 +121,17 @@ def reference_attention(q, k, v, scale):
 
 
 @pytest.mark.parametrize(("qk_dim", "v_dim"), [(12, 8), (8, 12), (8, 8)])
-def test_padded_attention_matches_plain_attention_forward_and_grads(qk_dim, v_dim):
+@pytest.mark.parametrize(("attend", "seq"), [(causal_attention, 10), (blocked_attention, 10), (blocked_attention, 7)])
+def test_padded_and_blocked_attention_match_plain_attention_forward_and_grads(attend, seq, qk_dim, v_dim):
     generator = torch.Generator().manual_seed(0)
-    shapes = [(2, 3, 10, qk_dim), (2, 3, 10, qk_dim), (2, 3, 10, v_dim)]
+    shapes = [(2, 3, seq, qk_dim), (2, 3, seq, qk_dim), (2, 3, seq, v_dim)]
     q, k, v = (torch.randn(s, generator=generator, dtype=torch.float64, requires_grad=True) for s in shapes)
-    grad_out = torch.randn(2, 3, 10, v_dim, generator=generator, dtype=torch.float64)
+    grad_out = torch.randn(2, 3, seq, v_dim, generator=generator, dtype=torch.float64)
     results = []
-    for attend in (causal_attention, reference_attention):
-        out = attend(q, k, v, scale=qk_dim**-0.5)
+    for attention in (attend, reference_attention):
+        out = attention(q, k, v, scale=qk_dim**-0.5)
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
-    assert results[0][0].shape == (2, 3, 10, v_dim)
+    assert results[0][0].shape == (2, 3, seq, v_dim)
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected)
 
