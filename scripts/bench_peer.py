@@ -10,11 +10,11 @@ few steps in turn, the order rotating from round to round, so machine noise land
 every side alike; figures are medians over rounds. MFU is against the matmul peak timed
 in the same run, the better of its start and its end (fp32 peak for fp32, bf16 peak for
 bf16 autocast).
-Peak memory: each variant trains a few steps in a fresh subprocess that first imports
-both stacks; the figure is the growth of its peak RSS (VmHWM) past that point.
+Peak memory: each variant trains 10 steps in a fresh subprocess that first imports both
+stacks; the figure is the growth of its peak RSS (VmHWM) past that point.
 
     pip install -e '.[bench]'
-    python scripts/bench_peer.py [--model bench] [--rounds 5] [--steps 4] [--precision fp32 bf16]
+    python scripts/bench_peer.py [--model bench] [--rounds 5] [--steps 3] [--precision fp32 bf16]
                                  [--compile] [--no-memory] [--json OUT]
 """
 
@@ -238,7 +238,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bench")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
+    parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
