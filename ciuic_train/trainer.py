@@ -128,9 +128,9 @@ class Trainer:
         log.info(f"resumed from {path} at step {self.step}")
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        # The model computes the fp32 cross-entropy itself, over chunks of tokens (see its forward).
         with self.autocast:
-            logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+            return self.model(inputs, targets, reduction=reduction)
 
     def _batch(self, indices: torch.Tensor, split) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = get_batch(split, indices, self.config.train.seq_len)

@@ -2,8 +2,11 @@
 
 Both sides train the same shape (`model=bench` by default) with the same loop: forward,
 fp32 cross-entropy over every position, backward, fused AdamW (0.9/0.95, weight decay
-0.1 on matrices). transformers' model is built from a config in code (no weights), with
-SDPA attention and either its eager (per-expert loop) or grouped_mm experts.
+0.1 on matrices). Ours computes the loss inside the model, `model(inputs, targets)`, over
+chunks of tokens (as the trainer does); transformers' variants take the full logits and
+run `F.cross_entropy` over them, as its users write it. transformers' model is built
+from a config in code (no weights), with SDPA attention and either its eager (per-expert
+loop) or grouped_mm experts.
 
 Timing: every variant is built and warmed up first, then rounds run each variant for a
 few steps in turn, the order rotating from round to round, so machine noise lands on
@@ -120,10 +123,15 @@ class Runner:
     hf: bool
 
     def step(self) -> None:
-        with self.autocast():
-            out = self.model(self.inputs)
-        logits = out.logits if self.hf else out
-        loss = F.cross_entropy(logits.float().flatten(0, 1), self.targets.flatten())
+        if self.hf:
+            # transformers: full logits, then the fp32 cross-entropy over them, as its users write it.
+            with self.autocast():
+                logits = self.model(self.inputs).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), self.targets.flatten())
+        else:
+            # ours: the model's own loss, the same fp32 cross-entropy over chunks of tokens.
+            with self.autocast():
+                loss = self.model(self.inputs, self.targets)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

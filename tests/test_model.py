@@ -61,6 +61,41 @@ def test_changing_a_token_never_changes_earlier_logits():
     assert not torch.allclose(before[:, changed_at], after[:, changed_at])
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_loss_equals_cross_entropy_over_full_logits_forward_and_grads(monkeypatch, reduction):
+    import ciuic_train.model.deepseek as deepseek
+
+    # 2 x 40 = 80 tokens in chunks of 12 (12 x 4 bytes x 256 = 12288): six full chunks and
+    # a short last one of 8, so a dropped chunk or one weighted by its size shows.
+    monkeypatch.setattr(deepseek, "LOSS_CHUNK_BYTES", 12 * 4 * 256 + 5)
+    idx, targets = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(3)).split([40, 1], 1)
+    targets = torch.cat([idx[:, 1:], targets], 1)
+    chunked, full = tiny_model(), tiny_model()
+    # A skewed head makes every chunk's loss differ (and weigh) noticeably.
+    with torch.no_grad():
+        for model in (chunked, full):
+            model.lm_head.weight.mul_(torch.linspace(0.0, 20.0, 256)[:, None])
+    calls = []
+    chunked.lm_head.register_forward_hook(lambda module, inputs, output: calls.append(output.shape[0]))
+
+    loss = chunked(idx, targets, reduction=reduction)
+    expected = F.cross_entropy(full(idx).float().flatten(0, 1), targets.flatten(), reduction=reduction)
+    assert calls == [12] * 6 + [8]
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    expected.backward()
+    for (name, p), q in zip(chunked.named_parameters(), full.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_loss_refuses_an_unknown_reduction():
+    model = tiny_model()
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="reduction"):
+        model(idx, idx, reduction="none")
+
+
 def test_sequence_longer_than_max_seq_len_is_refused():
     model = tiny_model(max_seq_len=16)
     with pytest.raises(ValueError, match="max_seq_len"):
