@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ciuic_train.checkpoint import Checkpointer, check_compatible, read_meta, resolve_resume, run_fingerprint
 from ciuic_train.config import Config, Device, FaultConfig, Precision
