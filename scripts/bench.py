@@ -41,14 +41,14 @@ WARMUP_STEPS = 2
 progress = Console(stderr=True)
 
 
-def matmul_peak(dtype: torch.dtype) -> dict[int, float]:
+def matmul_peak(dtype: torch.dtype, repeats: int = MATMUL_REPEATS) -> dict[int, float]:
     """GFLOP/s of a square `torch.mm` per size, best of several repeats after a warm-up."""
     figures = {}
     for n in MATMUL_SIZES:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         torch.mm(a, b)
         best = float("inf")
-        for _ in range(MATMUL_REPEATS):
+        for _ in range(repeats):
             tic = time.perf_counter()
             torch.mm(a, b)
             best = min(best, time.perf_counter() - tic)

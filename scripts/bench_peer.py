@@ -160,17 +160,11 @@ def build(name: str, cfg: ModelConfig, precision: str, batch: int, seq: int) -> 
     return Runner(name, model, adamw(model), tokens[:, :-1], tokens[:, 1:], autocast, hf)
 
 
-def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048), repeats: int = 10) -> float:
-    """Best GFLOP/s of a square torch.mm over a few sizes and repeats, after a warm-up."""
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        torch.mm(a, b)
-        for _ in range(repeats):
-            tic = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2 * n**3 / (time.perf_counter() - tic) / 1e9)
-    return best
+def matmul_peak(dtype: torch.dtype) -> float:
+    """The best square `torch.mm` GFLOP/s over bench.py's sizes (this script's folder is on sys.path)."""
+    from bench import matmul_peak as per_size
+
+    return max(per_size(dtype, repeats=10).values())
 
 
 def peak_rss_mib() -> float:
