@@ -8,12 +8,14 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from ciuic_train.model import ModelConfig, Transformer, count_parameters, generate
+from ciuic_train.model import deepseek
 from ciuic_train.model.deepseek import (
     MoE,
     apply_rope,
     blocked_attention,
     causal_attention,
     grouped_mm_supported,
+    padded_sdpa,
     rope_tables,
     training_flops_per_token,
 )
@@ -130,13 +132,12 @@ def test_attention_scores_depend_only_on_relative_position(monkeypatch):
     model = tiny_model().eval()
     attn, seq = model.layers[0].attn, 12
     captured = {}
-    sdpa = F.scaled_dot_product_attention
 
     def spy(q, k, v, **kwargs):
         captured["q"], captured["k"] = q, k
-        return sdpa(q, k, v, **kwargs)
+        return causal_attention(q, k, v, **kwargs)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(deepseek, "causal_attention", spy)
     # The same input at every position: any variation in the scores comes from RoPE.
     x = torch.randn(1, 1, model.config.dim).expand(1, seq, -1)
     with torch.no_grad():
@@ -156,7 +157,7 @@ def reference_attention(q, k, v, scale):
 
 
 @pytest.mark.parametrize(("qk_dim", "v_dim"), [(12, 8), (8, 12), (8, 8)])
-@pytest.mark.parametrize(("attend", "seq"), [(causal_attention, 10), (blocked_attention, 10), (blocked_attention, 7)])
+@pytest.mark.parametrize(("attend", "seq"), [(padded_sdpa, 10), (blocked_attention, 10), (blocked_attention, 7)])
 def test_padded_and_blocked_attention_match_plain_attention_forward_and_grads(attend, seq, qk_dim, v_dim):
     generator = torch.Generator().manual_seed(0)
     shapes = [(2, 3, seq, qk_dim), (2, 3, seq, qk_dim), (2, 3, seq, v_dim)]
@@ -185,15 +186,22 @@ def test_bf16_autocast_attention_matches_plain_attention_forward_and_grads():
         torch.testing.assert_close(a.float(), b, atol=0.05, rtol=0.05)
 
 
-def test_mla_takes_the_fused_attention_kernel_on_cpu():
-    """The point of the padding: CPU SDPA's math fallback is several times slower."""
-    model = tiny_model()
-    assert model.config.v_head_dim != model.config.qk_nope_head_dim + model.config.qk_rope_head_dim
+def test_padding_keeps_the_fused_attention_kernel():
+    """The point of the padding: with MLA's head dims SDPA would take its slow math path."""
+    q, k, v = torch.randn(1, 2, 16, 48), torch.randn(1, 2, 16, 48), torch.randn(1, 2, 16, 32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        model(torch.randint(0, 256, (1, 16))).sum().backward()
+        padded_sdpa(q, k, v, scale=48**-0.5)
     ops = {event.key for event in prof.key_averages()}
     assert any("flash_attention" in op for op in ops), sorted(op for op in ops if "attention" in op)
     assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_mla_on_cpu_scores_only_the_causal_blocks(monkeypatch):
+    """On CPU the model takes the blocked path (faster there than the fused kernel)."""
+    calls = []
+    monkeypatch.setattr(deepseek, "blocked_attention", lambda *a, **kw: calls.append(1) or blocked_attention(*a, **kw))
+    tiny_model()(torch.randint(0, 256, (1, 16)))
+    assert len(calls) == tiny_model().config.n_layers
 
 
 @pytest.mark.parametrize("q_lora_rank", [0, 24])
