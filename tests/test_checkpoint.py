@@ -8,6 +8,7 @@ import sys
 import shutil
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,16 +129,22 @@ def test_trick_change_can_be_forced(tmp_path, text_corpus):
     assert resumed.step == 4
 
 
+def start_training(args: list[str], metrics: Path, cwd: Path) -> subprocess.Popen:
+    """`ciuic-train ARGS` in the background, returned once it has logged its first step."""
+    exe = os.path.join(os.path.dirname(sys.executable), "ciuic-train")
+    process = subprocess.Popen([exe, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not metrics.is_file() or not metrics.read_text():
+        assert time.time() < deadline and process.poll() is None
+        time.sleep(0.2)
+    return process
+
+
 def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(tmp_path, text_corpus):
     run_dir = tmp_path / "run"
     args = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=100000", "train.log_every=1",
             "ckpt.every=0", f"hydra.run.dir={run_dir}"]
-    exe = os.path.join(os.path.dirname(sys.executable), "ciuic-train")
-    process = subprocess.Popen([exe, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
-        assert time.time() < deadline and process.poll() is None
-        time.sleep(0.2)
+    process = start_training(args, run_dir / "metrics.jsonl", cwd=tmp_path)
     sent = time.time()
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=60)
@@ -201,14 +208,7 @@ def test_sigterm_stops_a_sweep_after_saving_the_running_job(tmp_path, text_corpu
     sweep = tmp_path / "sweep"
     args = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=100000", "train.log_every=1", "ckpt.every=0",
             "seed=0,1", f"hydra.sweep.dir={sweep}"]
-    exe = os.path.join(os.path.dirname(sys.executable), "ciuic-train")
-    process = subprocess.Popen([exe, "-m", *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    metrics = sweep / "0" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while not metrics.is_file() or not metrics.read_text():
-        assert time.time() < deadline and process.poll() is None
-        time.sleep(0.2)
+    process = start_training(["-m", *args], sweep / "0" / "metrics.jsonl", cwd=tmp_path)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 1, err
