@@ -105,11 +105,11 @@ def end_stopped_task(signal_name: str, is_main: bool) -> None:
     rank 0 requeues the job, which then resumes from the checkpoint. SIGTERM is a cancel,
     or a preemption that Slurm requeues by itself: the scheduler decides.
     """
-    env = os.environ
-    # An array element's SLURM_JOB_ID can be the array's own id, which names every element.
-    array = "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env
-    job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}" if array else env["SLURM_JOB_ID"]
     if signal_name == "SIGUSR1" and is_main:
+        env = os.environ
+        # An array element's SLURM_JOB_ID can be the array's own id, which names every element.
+        array = "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}" if array else env["SLURM_JOB_ID"]
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
         log.warning(f"stopped by {signal_name}: checkpoint saved, Slurm job {job} requeued to resume it")
     raise SystemExit(0)
