@@ -136,12 +136,14 @@ class Runner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def time_steps(self, steps: int) -> float:
-        """Seconds per step over `steps` steps."""
+    def time_steps(self, steps: int) -> tuple[float, float]:
+        """Seconds per step and minor page faults per step over `steps` steps."""
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         tic = time.perf_counter()
         for _ in range(steps):
             self.step()
-        return (time.perf_counter() - tic) / steps
+        seconds = (time.perf_counter() - tic) / steps
+        return seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
 
 
 def build(name: str, cfg: ModelConfig, precision: str, batch: int, seq: int) -> Runner:
@@ -212,10 +214,13 @@ def run_precision(args: argparse.Namespace, cfg: ModelConfig, precision: str, fl
         raise SystemExit(f"the variants differ in size: {counts}")
 
     per_round = {name: [] for name in names}
+    faults = {name: [] for name in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            per_round[name].append(runners[name].time_steps(args.steps))
+            seconds, step_faults = runners[name].time_steps(args.steps)
+            per_round[name].append(seconds)
+            faults[name].append(step_faults)
         progress.print(f"({precision}) round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {args.batch_size * args.seq_len / per_round[n][-1]:,.0f}" for n in names) + " tok/s")
     del runners
@@ -228,6 +233,7 @@ def run_precision(args: argparse.Namespace, cfg: ModelConfig, precision: str, fl
             "tokens_per_s": tokens / step_s,
             "gflops": tokens / step_s * flops / 1e9,
             "setup_s": setup_s[name],
+            "page_faults_per_step": statistics.median(faults[name]),
             "rounds_tokens_per_s": [tokens / s for s in per_round[name]],
         }
         if not args.no_memory and name != "ours_compile":
@@ -308,13 +314,14 @@ def main() -> None:
     )
     for precision, figures in results["precisions"].items():
         table = Table(title=f"{precision}{' autocast' if precision == 'bf16' else ''}: median of {args.rounds} rounds")
-        for column in ("variant", "tokens/s", "GFLOP/s", "MFU", "peak mem MiB", "ours / this", "build+warm-up s"):
+        for column in ("variant", "tokens/s", "GFLOP/s", "MFU", "peak mem MiB", "page faults/step", "ours / this",
+                       "build+warm-up s"):
             table.add_column(column, justify="right")
         ours = figures["ours"]["tokens_per_s"]
         for name, f in figures.items():
             memory = f"{f['peak_rss_growth_mib']:,.0f}" if "peak_rss_growth_mib" in f else "-"
             table.add_row(name, f"{f['tokens_per_s']:,.0f}", f"{f['gflops']:.1f}", f"{f['mfu']:.1%}", memory,
-                          f"{ours / f['tokens_per_s']:.3f}", f"{f['setup_s']:.1f}")
+                          f"{f['page_faults_per_step']:,.0f}", f"{ours / f['tokens_per_s']:.3f}", f"{f['setup_s']:.1f}")
         console.print(table)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

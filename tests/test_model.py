@@ -64,31 +64,77 @@ def test_changing_a_token_never_changes_earlier_logits():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_chunked_loss_equals_cross_entropy_over_full_logits_forward_and_grads(monkeypatch, reduction):
+@pytest.mark.parametrize("ignore", [False, True])
+def test_chunked_loss_equals_cross_entropy_over_full_logits_forward_and_grads(monkeypatch, reduction, ignore):
     import ciuic_train.model.deepseek as deepseek
 
     # 2 x 40 = 80 tokens in chunks of 12 (12 x 4 bytes x 256 = 12288): six full chunks and
     # a short last one of 8, so a dropped chunk or one weighted by its size shows.
     monkeypatch.setattr(deepseek, "LOSS_CHUNK_BYTES", 12 * 4 * 256 + 5)
+    chunks = []
+    apply = deepseek.LinearCrossEntropy.apply
+    monkeypatch.setattr(deepseek.LinearCrossEntropy, "apply", lambda *a: chunks.append(a[-1]) or apply(*a))
     idx, targets = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(3)).split([40, 1], 1)
     targets = torch.cat([idx[:, 1:], targets], 1)
+    if ignore:  # padding-style targets, in a full chunk and across two
+        targets[0, 3:9] = -100
+        targets[1, 10:30] = -100
     chunked, full = tiny_model(), tiny_model()
     # A skewed head makes every chunk's loss differ (and weigh) noticeably.
     with torch.no_grad():
         for model in (chunked, full):
             model.lm_head.weight.mul_(torch.linspace(0.0, 20.0, 256)[:, None])
-    calls = []
-    chunked.lm_head.register_forward_hook(lambda module, inputs, output: calls.append(output.shape[0]))
 
     loss = chunked(idx, targets, reduction=reduction)
     expected = F.cross_entropy(full(idx).float().flatten(0, 1), targets.flatten(), reduction=reduction)
-    assert calls == [12] * 6 + [8]
+    assert chunks == [12]
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
-    loss.backward()
-    expected.backward()
+    # Gradients are taken in forward and scaled in backward: a non-linear function of the
+    # loss must still get the chain rule right.
+    loss.log().backward()
+    expected.log().backward()
     for (name, p), q in zip(chunked.named_parameters(), full.parameters()):
         assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_loss_stays_exact_where_the_target_probability_underflows():
+    """Logits 200 apart give the target a probability below fp32's smallest; the loss is 200."""
+    from ciuic_train.model.deepseek import LinearCrossEntropy
+
+    h = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    weight = torch.tensor([[200.0, 0.0], [0.0, 0.0], [0.0, 200.0]], requires_grad=True)
+    targets = torch.tensor([1, 0])
+    loss = LinearCrossEntropy.apply(h, weight, targets, 1)
+    expected = F.cross_entropy(h @ weight.T, targets, reduction="sum")
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(loss, torch.tensor(400.0))
+
+
+def test_loss_without_grad_matches_and_keeps_nothing():
+    model = tiny_model()
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        loss = model(idx, idx)
+        expected = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, expected)
+
+
+def test_bf16_autocast_loss_and_grads_stay_close_to_fp32():
+    idx = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    fp32, bf16 = tiny_model(), tiny_model()
+    fp32(idx, idx).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = bf16(idx, idx)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    torch.testing.assert_close(loss, fp32(idx, idx).detach(), atol=0.02, rtol=0.01)
+    for name, p in fp32.named_parameters():
+        q = dict(bf16.named_parameters())[name]
+        assert q.grad.dtype == torch.float32, name
+        torch.testing.assert_close(q.grad, p.grad, atol=2e-3, rtol=0.1, msg=name)
 
 
 def test_loss_refuses_an_unknown_reduction():
@@ -126,6 +172,14 @@ def test_rope_rotates_adjacent_pairs_and_depends_only_on_relative_position():
 
     torch.testing.assert_close(score(9, 4), score(40, 35))
     torch.testing.assert_close(score(0, 0), q @ k)
+
+
+def test_rope_takes_slices_at_odd_offsets():
+    """The rope parts are slices after odd-width parts here; the complex view must not refuse them."""
+    model = tiny_model(kv_lora_rank=23, qk_nope_head_dim=7)
+    idx = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(6))
+    model(idx, idx).backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_attention_scores_depend_only_on_relative_position(monkeypatch):

@@ -16,6 +16,7 @@ parameters and buffers.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -26,12 +27,12 @@ from torch.utils.checkpoint import checkpoint
 
 from ciuic_train.model.config import ModelConfig
 
-# Most bytes of fp32 logits per loss chunk (256 tokens at vocab 4096). Far below glibc's
-# largest mmap threshold (32 MiB), so the logits, their log-softmax and their gradients are
-# reused from the heap; 16 MiB chunks still faulted as much as the whole tensor (the heap
-# top gets trimmed), 8 MiB halfway. model=bench, 2 CPU threads: fp32 ~36,000 -> ~11,000
-# page faults a step and 1-3% faster, bf16 autocast ~25,000 -> ~0-2,000 and 7-9% faster.
-LOSS_CHUNK_BYTES = 4 * 2**20
+# Most bytes of fp32 logits per loss chunk: the lm head and the cross-entropy run over this
+# many tokens at a time (512 at vocab 4096), so only one chunk's logits exist at once and none
+# are kept for backward. Smaller chunks make the lm head's matmuls slower (model=bench fp32,
+# side by side: the loss took ~8% longer in 256-token chunks than in 512).
+LOSS_CHUNK_BYTES = 8 * 2**20
+IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
@@ -59,11 +60,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x[..., T, d] by position, pairing adjacent channels (2i, 2i+1).
 
     Interleaved pairs are the convention of DeepSeek's released inference code, so weights
-    from their checkpoints would load without permuting the rope channels.
+    from their checkpoints would load without permuting the rope channels. Each pair is
+    rotated as one complex product: a quarter of the time of the four real products,
+    forward and backward.
     """
-    even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    # contiguous: a complex view needs even offsets and strides, which slices at odd widths lack.
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2).type_as(x)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -101,24 +104,70 @@ def padded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 def blocked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, blocks: int = 2
 ) -> torch.Tensor:
-    """Causal attention spelled out, one block of queries at a time.
+    """Causal attention spelled out, one block of queries at a time (see `BlockedCausalAttention`).
 
-    Block i only scores the keys up to its own last query, so the fully masked corner of
-    the score matrix (a quarter of it for two blocks) is never computed; the fused CPU
-    kernel computes all of it at these lengths. Under autocast the matmuls run in bf16
-    around an fp32 softmax, autocast's usual numerics.
+    Under autocast the matmuls run in autocast's dtype around an fp32 softmax, autocast's
+    usual numerics for attention.
     """
-    batch, heads, seq, _ = q.shape
-    q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
-    size = -(-seq // blocks)
-    out = []
-    for start in range(0, seq, size):
-        end = min(start + size, seq)
-        # Row r is query start + r, which may see keys 0 .. start + r.
-        mask = torch.full((end - start, end), float("-inf"), dtype=q.dtype, device=q.device).triu(start + 1)
-        scores = torch.baddbmm(mask, q[:, start:end], k[:, :end].transpose(-2, -1), alpha=scale)
-        out.append(scores.softmax(dim=-1) @ v[:, :end])
-    return torch.cat(out, dim=1).unflatten(0, (batch, heads))
+    batch, heads = q.shape[:2]
+    dtype = compute_dtype(q)
+    q, k, v = (t.to(dtype).flatten(0, 1).contiguous() for t in (q, k, v))
+    with torch.autocast(q.device.type, enabled=False):
+        out = BlockedCausalAttention.apply(q, k, v, scale, blocks)
+    return out.unflatten(0, (batch, heads))
+
+
+class BlockedCausalAttention(torch.autograd.Function):
+    """softmax(q k^T * scale, causal) v for q, k [N, S, d_qk] and v [N, S, d_v], by query blocks.
+
+    Block i scores only the keys up to its own last query, so the fully masked corner of the
+    score matrix (a quarter of it for two blocks) is never computed; the fused CPU kernel
+    computes all of it at these lengths. The backward is written out so that each block's
+    gradients add straight into whole q, k, v gradients, instead of autograd's zero-filled
+    copy per slice and a sum over blocks (fwd+bwd ~3% faster at model=bench). It keeps what
+    autograd would: the inputs and each block's fp32 probabilities.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, blocks: int) -> torch.Tensor:
+        seq = q.shape[1]
+        size = -(-seq // blocks)
+        out, probs = [], []
+        for start in range(0, seq, size):
+            end = min(start + size, seq)
+            # Row r is query start + r, which may see keys 0 .. start + r.
+            mask = torch.full((end - start, end), float("-inf"), dtype=q.dtype, device=q.device).triu(start + 1)
+            scores = torch.baddbmm(mask, q[:, start:end], k[:, :end].transpose(1, 2), alpha=scale)
+            p = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+            out.append(torch.bmm(p.to(v.dtype), v[:, :end]))
+            probs.append(p)
+        ctx.save_for_backward(q, k, v, *probs)
+        ctx.scale, ctx.size = scale, size
+        return torch.cat(out, dim=1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, *probs = ctx.saved_tensors
+        scale, size = ctx.scale, ctx.size
+        grad_q, grad_k, grad_v = [], None, None
+        # Last block first: it spans every key, so its products are whole grad_k and grad_v,
+        # and the earlier, shorter blocks add into their prefixes.
+        for i in reversed(range(len(probs))):
+            start, p = i * size, probs[i]
+            end = start + p.shape[1]
+            d_out, p_low = grad_out[:, start:end], p.to(v.dtype)
+            d_scores = torch._softmax_backward_data(
+                torch.bmm(d_out, v[:, :end].transpose(1, 2)).to(p.dtype), p, -1, p.dtype
+            ).to(q.dtype)
+            grad_q.append(torch.bmm(d_scores, k[:, :end]).mul_(scale))
+            if grad_k is None:
+                grad_v = torch.bmm(p_low.transpose(1, 2), d_out)
+                grad_k = torch.bmm(d_scores.transpose(1, 2), q[:, start:end]).mul_(scale)
+            else:
+                grad_v[:, :end].baddbmm_(p_low.transpose(1, 2), d_out)
+                grad_k[:, :end].baddbmm_(d_scores.transpose(1, 2), q[:, start:end], alpha=scale)
+        return torch.cat(grad_q[::-1], dim=1), grad_k, grad_v, None, None
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -186,11 +235,8 @@ def grouped_mm_supported(x: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` can multiply `x`'s tokens in `dtype`, here and now.
 
     CPU has a kernel (fp32 and bf16) from torch 2.9; CUDA takes bf16 on sm80 and newer.
-    Under torch.compile only bf16 traces (its meta function checks for bf16).
     """
     if not hasattr(torch, "_grouped_mm") or TorchVersion(torch.__version__) < "2.9":
-        return False
-    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
         return False
     if x.device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
@@ -304,7 +350,10 @@ class MoE(nn.Module):
         counts = torch.bincount(expert_of_assignment, minlength=self.n_routed_experts)
         if self.training:
             self.tokens_per_expert += counts
-        expert_out = self.experts(x.index_select(0, token_of_assignment), counts)
+        run = self.experts
+        if torch.compiler.is_compiling() and compute_dtype(x) != torch.bfloat16:
+            run = partial(experts_between_graphs, self)
+        expert_out = run(x.index_select(0, token_of_assignment), counts)
         expert_out = expert_out * weights.flatten()[order].unsqueeze(-1)
         y = torch.zeros_like(x).index_add_(0, token_of_assignment, expert_out.type_as(x))
 
@@ -318,6 +367,17 @@ class MoE(nn.Module):
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
 
 
+@torch.compiler.disable
+def experts_between_graphs(moe: MoE, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`moe.experts` run eagerly inside a compiled block, where its dtype cannot be traced.
+
+    `_grouped_mm`'s meta function takes only bf16, so a compiled fp32 block would otherwise
+    fall back to the loop over experts; run here, between the block's graphs, the grouped
+    kernel serves fp32 as in eager mode (model=bench, compile=true: ~5% faster step).
+    """
+    return moe.experts(x, counts)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, use_moe: bool):
         super().__init__()
@@ -329,6 +389,65 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.ffn(self.ffn_norm(x))
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of `h @ weight.T` against targets, its gradients taken in forward.
+
+    The loss is a scalar, so its gradients with respect to h and the weight are known as
+    soon as the forward has seen a chunk: softmax minus one-hot, times the other operand.
+    Taking them there, chunk by chunk, means no logits or log-probabilities are kept for
+    backward (32 MiB fp32 for model=bench, far more for large vocabularies) and the
+    probabilities are walked once, by one softmax. Backward only scales the gradients by the
+    incoming one, which is exact for any function of the loss. Matmuls run in autocast's
+    dtype, the softmax in fp32, and the weight's gradient accumulates in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        dtype = compute_dtype(h)
+        weight_c = weight.to(dtype)
+        with_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if with_grads else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
+        ignored = targets == IGNORE_INDEX
+        any_ignored = bool(ignored.any())
+        targets = targets.masked_fill(ignored, 0) if any_ignored else targets
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for start in range(0, len(h), chunk):
+            h_c, t_c = h[start : start + chunk].to(dtype), targets[start : start + chunk]
+            rows = torch.arange(len(t_c), device=h.device)
+            logits = (h_c @ weight_c.T).float()
+            # -log softmax at the target is logsumexp - target logit, and
+            # logsumexp = max logit - log(max probability): that probability is at least
+            # 1/vocab, so unlike the target's it cannot underflow.
+            losses = logits.amax(dim=-1) - logits[rows, t_c]
+            probs = torch.softmax(logits, dim=-1)
+            del logits
+            losses -= probs.amax(dim=-1).log()
+            if any_ignored:
+                losses.masked_fill_(ignored[start : start + chunk], 0)
+            total += losses.sum()
+            if not with_grads:
+                continue
+            probs[rows, t_c] -= 1
+            if any_ignored:
+                probs.masked_fill_(ignored[start : start + chunk, None], 0)
+            grad_logits = probs.to(dtype)
+            grad_h[start : start + chunk] = grad_logits @ weight_c
+            if dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.T, h_c)
+            else:
+                grad_weight += grad_logits.T @ h_c
+        if with_grads:
+            ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_weight = ctx.saved_tensors
+        return grad_h * grad_loss, grad_weight * grad_loss, None, None
 
 
 class Transformer(nn.Module):
@@ -389,24 +508,19 @@ class Transformer(nn.Module):
         """Logits [B, T, vocab], or with `targets` [B, T] the fp32 cross-entropy ("mean" or "sum").
 
         The loss goes through forward so that DDP and FSDP see it. It never builds the whole
-        logits tensor: the lm head and the cross-entropy run over chunks of tokens whose fp32
-        logits stay under `LOSS_CHUNK_BYTES`, so neither the logits, their log-softmax nor
-        their gradients reach glibc's mmap threshold (at most 32 MiB), and the allocator reuses
-        heap memory instead of faulting fresh pages in every step.
+        logits tensor: `LinearCrossEntropy` runs the lm head and the loss over chunks of
+        `LOSS_CHUNK_BYTES` of logits. Targets equal to -100 are ignored, as in `F.cross_entropy`.
         """
         h = self.norm(self.trunk(idx))
         if targets is None:
             return self.lm_head(h)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
-        h, targets = h.flatten(0, 1), targets.flatten()
         chunk = max(1, LOSS_CHUNK_BYTES // (4 * self.config.vocab_size))
-        loss = sum(
-            F.cross_entropy(self.lm_head(h_chunk).float(), t_chunk, reduction="sum")
-            for h_chunk, t_chunk in zip(h.split(chunk), targets.split(chunk))
-        )
+        targets = targets.flatten()
+        loss = LinearCrossEntropy.apply(h.flatten(0, 1), self.lm_head.weight, targets, chunk)
         if reduction == "mean":
-            loss = loss / (targets != -100).sum()
+            loss = loss / (targets != IGNORE_INDEX).sum()
         return loss
 
     def trunk(self, idx: torch.Tensor) -> torch.Tensor:
