@@ -11,6 +11,7 @@ from ciuic_train.model import ModelConfig, Transformer, count_parameters, genera
 from ciuic_train.model import deepseek
 from ciuic_train.model.deepseek import (
     MoE,
+    RMSNorm,
     apply_rope,
     blocked_attention,
     causal_attention,
@@ -148,6 +149,35 @@ def test_sequence_longer_than_max_seq_len_is_refused():
     model = tiny_model(max_seq_len=16)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def test_rms_norm_matches_its_formula_forward_and_grads():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    norm = RMSNorm(16, 1e-6).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=generator)
+    grad_out = torch.randn(3, 5, 16, generator=generator, dtype=torch.float64)
+    results = []
+    for forward in (norm, lambda t: reference_rms_norm(t, norm.weight, 1e-6)):
+        out = forward(x)
+        results.append((out, *torch.autograd.grad(out, (x, norm.weight), grad_out)))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
+
+
+def test_rms_norm_of_bf16_is_computed_in_fp32_and_returned_in_bf16():
+    x = (torch.randn(4, 64) * 1e3).bfloat16().requires_grad_()  # squares overflow nothing in fp32
+    norm = RMSNorm(64, 1e-6)
+    out = norm(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference_rms_norm(x.float(), norm.weight, 1e-6), atol=0.01, rtol=0.01)
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.float32
 
 
 def test_rope_rotates_adjacent_pairs_and_depends_only_on_relative_position():
