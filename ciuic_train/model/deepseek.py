@@ -378,11 +378,10 @@ class MoE(nn.Module):
             run = partial(experts_between_graphs, self)
         expert_out = run(x.index_select(0, token_of_assignment), counts)
         expert_out = expert_out * weights.flatten()[order].unsqueeze(-1)
-        y = torch.zeros_like(x).index_add_(0, token_of_assignment, expert_out.type_as(x))
-
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y.view(shape)
+        # The routed outputs add into the shared experts' output in place (its matmul keeps
+        # no output for backward): no zero-filled buffer and no separate sum.
+        y = self.shared_experts(x).to(x.dtype) if self.shared_experts is not None else torch.zeros_like(x)
+        return y.index_add_(0, token_of_assignment, expert_out.type_as(x)).view(shape)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:
