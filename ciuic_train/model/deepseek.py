@@ -1,9 +1,12 @@
 """A DeepSeek-V2/V3 style decoder: Multi-head Latent Attention plus DeepSeekMoE.
 
 Read top to bottom: RMSNorm, RoPE, the attention kernel and MLA, the dense FFN, the
-grouped-matmul helpers and the MoE, the block, the model, then parameter and FLOP
-counting and sampling. The model returns logits, or given targets the cross-entropy,
-computed in chunks of tokens so the whole logits tensor is never built.
+grouped-matmul helpers and the MoE, the block, the loss, the model, then parameter and
+FLOP counting and sampling. The model returns logits, or given targets the cross-entropy,
+computed in chunks of tokens so the whole logits tensor is never built. Where autograd's
+graph of a formula costs passes over memory that a written-out backward saves (RMSNorm,
+blocked attention, the loss), the module has a `torch.autograd.Function`; each is tested
+against the plain formula, forward and gradients.
 
 Weight decay rule for the trainer: decay parameters with ndim >= 2 except
 `tok_embeddings.weight`. That excludes norms and keeps matrices, including the stacked
