@@ -398,7 +398,8 @@ def experts_between_graphs(moe: MoE, x: torch.Tensor, counts: torch.Tensor) -> t
 
     `_grouped_mm`'s meta function takes only bf16, so a compiled fp32 block would otherwise
     fall back to the loop over experts; run here, between the block's graphs, the grouped
-    kernel serves fp32 as in eager mode (model=bench, compile=true: ~5% faster step).
+    kernel serves fp32 as in eager mode (model=bench fp32: compiled blocks had been about as
+    fast as eager ones, now 3-5% faster in one process).
     """
     return moe.experts(x, counts)
 
