@@ -67,8 +67,6 @@ def test_changing_a_token_never_changes_earlier_logits():
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("ignore", [False, True])
 def test_chunked_loss_equals_cross_entropy_over_full_logits_forward_and_grads(monkeypatch, reduction, ignore):
-    import ciuic_train.model.deepseek as deepseek
-
     # 2 x 40 = 80 tokens in chunks of 12 (12 x 4 bytes x 256 = 12288): six full chunks and
     # a short last one of 8, so a dropped chunk or one weighted by its size shows.
     monkeypatch.setattr(deepseek, "LOSS_CHUNK_BYTES", 12 * 4 * 256 + 5)
@@ -100,13 +98,11 @@ def test_chunked_loss_equals_cross_entropy_over_full_logits_forward_and_grads(mo
 
 
 def test_loss_stays_exact_where_the_target_probability_underflows():
-    """Logits 200 apart give the target a probability below fp32's smallest; the loss is 200."""
-    from ciuic_train.model.deepseek import LinearCrossEntropy
-
+    """Logits 200 apart give each target a probability below fp32's smallest; each token's loss is 200."""
     h = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
     weight = torch.tensor([[200.0, 0.0], [0.0, 0.0], [0.0, 200.0]], requires_grad=True)
     targets = torch.tensor([1, 0])
-    loss = LinearCrossEntropy.apply(h, weight, targets, 1)
+    loss = deepseek.LinearCrossEntropy.apply(h, weight, targets, 1)
     expected = F.cross_entropy(h @ weight.T, targets, reduction="sum")
     assert torch.isfinite(loss)
     torch.testing.assert_close(loss, expected)
@@ -126,12 +122,13 @@ def test_loss_without_grad_matches_and_keeps_nothing():
 def test_bf16_autocast_loss_and_grads_stay_close_to_fp32():
     idx = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
     fp32, bf16 = tiny_model(), tiny_model()
-    fp32(idx, idx).backward()
+    expected = fp32(idx, idx)
+    expected.backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = bf16(idx, idx)
     assert loss.dtype == torch.float32
     loss.backward()
-    torch.testing.assert_close(loss, fp32(idx, idx).detach(), atol=0.02, rtol=0.01)
+    torch.testing.assert_close(loss, expected.detach(), atol=0.02, rtol=0.01)
     for name, p in fp32.named_parameters():
         q = dict(bf16.named_parameters())[name]
         assert q.grad.dtype == torch.float32, name
