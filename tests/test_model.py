@@ -18,6 +18,7 @@ from ciuic_train.model.deepseek import (
     grouped_mm_supported,
     padded_sdpa,
     rope_tables,
+    softmax_fp32,
     training_flops_per_token,
 )
 
@@ -175,6 +176,20 @@ def test_rms_norm_of_bf16_is_computed_in_fp32_and_returned_in_bf16():
     torch.testing.assert_close(out.float(), reference_rms_norm(x.float(), norm.weight, 1e-6), atol=0.01, rtol=0.01)
     out.float().sum().backward()
     assert x.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_softmax_fp32_overwrites_fp32_input_and_leaves_bf16_input_alone(dim):
+    scores = torch.randn(6, 9) * 5
+    expected = torch.softmax(scores, dim=dim)
+    fp32 = scores.clone()
+    out = softmax_fp32(fp32, dim=dim)
+    torch.testing.assert_close(out, expected)
+    assert out.data_ptr() == fp32.data_ptr()  # no second buffer
+    bf16 = scores.bfloat16()
+    out = softmax_fp32(bf16, dim=dim)
+    assert out.dtype == torch.float32 and torch.equal(bf16, scores.bfloat16())
+    torch.testing.assert_close(out, torch.softmax(bf16.float(), dim=dim))
 
 
 def test_rope_rotates_adjacent_pairs_and_depends_only_on_relative_position():
