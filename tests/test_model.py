@@ -1,5 +1,6 @@
 import dataclasses
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -253,7 +254,15 @@ def reference_attention(q, k, v, scale):
 
 
 @pytest.mark.parametrize(("qk_dim", "v_dim"), [(12, 8), (8, 12), (8, 8)])
-@pytest.mark.parametrize(("attend", "seq"), [(padded_sdpa, 10), (blocked_attention, 10), (blocked_attention, 7)])
+@pytest.mark.parametrize(
+    ("attend", "seq"),
+    [
+        (padded_sdpa, 10),
+        (blocked_attention, 10),  # one block
+        (partial(blocked_attention, block_rows=4), 10),  # 4 + 4 + 2
+        (partial(blocked_attention, block_rows=3), 7),  # 3 + 3 + 1
+    ],
+)
 def test_padded_and_blocked_attention_match_plain_attention_forward_and_grads(attend, seq, qk_dim, v_dim):
     generator = torch.Generator().manual_seed(0)
     shapes = [(2, 3, seq, qk_dim), (2, 3, seq, qk_dim), (2, 3, seq, v_dim)]
@@ -268,13 +277,14 @@ def test_padded_and_blocked_attention_match_plain_attention_forward_and_grads(at
         torch.testing.assert_close(got, expected)
 
 
-def test_bf16_autocast_attention_matches_plain_attention_forward_and_grads():
+@pytest.mark.parametrize("attend", [causal_attention, partial(blocked_attention, block_rows=4)])
+def test_bf16_autocast_attention_matches_plain_attention_forward_and_grads(attend):
     generator = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, 3, 10, 12, generator=generator, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 3, 10, 8, generator=generator, requires_grad=True)
     grad_out = torch.randn(2, 3, 10, 8, generator=generator)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = causal_attention(q, k, v, scale=12**-0.5)
+        out = attend(q, k, v, scale=12**-0.5)
     got = (out, *torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)))
     expected = reference_attention(q, k, v, scale=12**-0.5)
     expected = (expected, *torch.autograd.grad(expected, (q, k, v), grad_out))

@@ -128,18 +128,19 @@ def padded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 
 def blocked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, blocks: int = 2
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_rows: int = 64
 ) -> torch.Tensor:
-    """Causal attention spelled out, one block of queries at a time (see `BlockedCausalAttention`).
+    """Causal attention spelled out, `block_rows` queries at a time (see `BlockedCausalAttention`).
 
-    Under autocast the matmuls run in autocast's dtype around an fp32 softmax, autocast's
+    64 rows measured fastest at model=bench (fwd+bwd alone, against 128-row blocks: 13% faster;
+    32 rows: the same). Under autocast the matmuls run in autocast's dtype around an fp32 softmax, autocast's
     usual numerics for attention.
     """
     batch, heads = q.shape[:2]
     dtype = compute_dtype(q)
     q, k, v = (t.to(dtype).flatten(0, 1).contiguous() for t in (q, k, v))
     with torch.autocast(q.device.type, enabled=False):
-        out = BlockedCausalAttention.apply(q, k, v, scale, blocks)
+        out = BlockedCausalAttention.apply(q, k, v, scale, block_rows)
     return out.unflatten(0, (batch, heads))
 
 
@@ -158,8 +159,8 @@ def softmax_fp32(x: torch.Tensor, dim: int) -> torch.Tensor:
 class BlockedCausalAttention(torch.autograd.Function):
     """softmax(q k^T * scale, causal) v for q, k [N, S, d_qk] and v [N, S, d_v], by query blocks.
 
-    Block i scores only the keys up to its own last query, so the fully masked corner of the
-    score matrix (a quarter of it for two blocks) is never computed; the fused CPU kernel
+    Block i scores only the keys up to its own last query, so the fully masked part of the
+    score matrix (3/8 of it for four blocks) is never computed; the fused CPU kernel
     computes all of it at these lengths. The backward is written out so that each block's
     gradients add straight into whole q, k, v gradients, instead of autograd's zero-filled
     copy per slice and a sum over blocks (fwd+bwd ~3% faster at model=bench). It keeps what
@@ -167,9 +168,8 @@ class BlockedCausalAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, blocks: int) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, size: int) -> torch.Tensor:
         seq = q.shape[1]
-        size = -(-seq // blocks)
         out, probs = [], []
         empty = q.new_empty(())
         for start in range(0, seq, size):
