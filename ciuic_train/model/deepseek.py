@@ -172,13 +172,14 @@ class BlockedCausalAttention(torch.autograd.Function):
         seq = q.shape[1]
         out, probs = [], []
         empty = q.new_empty(())
+        # Row r of a block is query start + r, which may see keys 0 .. start + r: only the
+        # block's diagonal square of keys start .. end needs a mask, the same for every block
+        # (a short last block takes its top-left corner).
+        mask = torch.full((size, size), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
         for start in range(0, seq, size):
             end = min(start + size, seq)
-            # Row r is query start + r, which may see keys 0 .. start + r: only the block's
-            # diagonal square of keys start .. end needs a mask.
-            mask = torch.full((end - start, end - start), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
             scores = torch.baddbmm(empty, q[:, start:end], k[:, :end].transpose(1, 2), beta=0, alpha=scale)
-            scores[:, :, start:].add_(mask)
+            scores[:, :, start:].add_(mask[: end - start, : end - start])
             p = softmax_fp32(scores, dim=-1)
             out.append(torch.bmm(p.to(v.dtype), v[:, :end]))
             probs.append(p)
