@@ -47,6 +47,7 @@ from hydra import compose, initialize_config_module
 from rich.console import Console
 from rich.table import Table
 
+from bench import results_console
 from ciuic_train.cli import quote_override
 from ciuic_train.config import register_configs, to_config
 from ciuic_train.parallel import Parallel
@@ -291,7 +292,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 def show(results: dict, single: str, multi: str, single_big: str) -> None:
-    console = Console()
+    console = results_console()
     summary = Table(title="ciuic_train distributed bench", show_header=False)
     summary.add_row("torch / cores", f"{results['torch']} / {results['cores']}")
     summary.add_row(

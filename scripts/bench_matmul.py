@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from bench import MATMUL_SIZES
+from bench import MATMUL_SIZES, results_console
 from bench_peer import load_model_config
 from ciuic_train.model.deepseek import LOSS_CHUNK_BYTES
 
@@ -137,7 +137,7 @@ def main() -> None:
         products.append({"label": product["label"], "gflops": best_rate(product["flops"], backends, args.rounds)})
 
     peak = {name: max(rates.get(name, 0.0) for rates in square.values()) for name in ("torch.mm", "oneDNN")}
-    console = Console()
+    console = results_console()
     console.print(f"fp32, {args.threads} threads, torch {torch.__version__}; best of {args.rounds} rounds")
     table = Table(title="square fp32 GEMM, GFLOP/s")
     table.add_column("n", justify="right")

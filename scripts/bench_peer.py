@@ -322,7 +322,9 @@ def main() -> None:
         peaks[precision] = peak
     results["matmul_peak_gflops"] = peaks
 
-    console = Console()
+    from bench import results_console
+
+    console = results_console()
     console.print(
         f"model={args.model} ({total / 1e6:.2f} M params, {active / 1e6:.2f} M active), B={args.batch_size} "
         f"S={args.seq_len}, {flops / 1e6:.2f} MFLOP/token; torch {torch.__version__}, transformers "
