@@ -73,6 +73,7 @@ def model_products(args: argparse.Namespace) -> list[dict]:
     tokens, dim = args.batch_size * args.seq_len, cfg.dim
     chunk = max(1, LOSS_CHUNK_BYTES // (4 * cfg.vocab_size))
     expert_rows = tokens * cfg.n_activated_experts // cfg.n_routed_experts
+
     def product(label: str, shapes: tuple, flops: int, mm: Callable = F.linear, dnn: bool = True) -> dict:
         """`mm` is nn.Linear's product, x @ w.T, unless given."""
         return {"label": label, "shapes": shapes, "flops": flops, "mm": mm, "dnn": dnn}
@@ -92,7 +93,7 @@ def model_products(args: argparse.Namespace) -> list[dict]:
 
 
 def best_rate(flops: float, backends: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """GFLOP/s per backend, the best of `rounds`, backends alternating within each round."""
+    """GFLOP/s per backend, the best of `rounds`; the backends' order reverses every round."""
     best = dict.fromkeys(backends, float("inf"))
     for r in range(rounds):
         names = list(backends) if r % 2 == 0 else list(backends)[::-1]
@@ -136,7 +137,7 @@ def main() -> None:
                 backends[f"oneDNN {temperature}"] = partial(time_cycle, dnn, sets, calls)
         products.append({"label": product["label"], "gflops": best_rate(product["flops"], backends, args.rounds)})
 
-    peak = {name: max(rates.get(name, 0.0) for rates in square.values()) for name in ("torch.mm", "oneDNN")}
+    peak = {name: max(rates[name] for rates in square.values()) for name in square[MATMUL_SIZES[0]]}
     console = results_console()
     console.print(f"fp32, {args.threads} threads, torch {torch.__version__}; best of {args.rounds} rounds")
     table = Table(title="square fp32 GEMM, GFLOP/s")
