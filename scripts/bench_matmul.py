@@ -36,7 +36,7 @@ from rich.table import Table
 
 from bench import MATMUL_SIZES, results_console
 from bench_peer import load_model_config
-from ciuic_train.model.deepseek import LOSS_CHUNK_BYTES
+from ciuic_train.model.deepseek import loss_chunk_tokens
 
 COLD_BYTES = 128 * 2**20
 CALLS_PER_ROUND = 24
@@ -71,7 +71,7 @@ def model_products(args: argparse.Namespace) -> list[dict]:
     """The main matmul shapes of one training step of `args.model`: label, operand shapes, product."""
     cfg = load_model_config(args.model)
     tokens, dim = args.batch_size * args.seq_len, cfg.dim
-    chunk = max(1, LOSS_CHUNK_BYTES // (4 * cfg.vocab_size))
+    chunk = loss_chunk_tokens(cfg.vocab_size)
     expert_rows = tokens * cfg.n_activated_experts // cfg.n_routed_experts
 
     def product(label: str, shapes: tuple, flops: int, mm: Callable = F.linear, dnn: bool = True) -> dict:

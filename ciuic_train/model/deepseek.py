@@ -38,6 +38,11 @@ LOSS_CHUNK_BYTES = 4 * 2**20
 IGNORE_INDEX = -100
 
 
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per loss chunk: as many as keep its fp32 logits within `LOSS_CHUNK_BYTES`."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in fp32 so bf16 activations don't lose the mean-square."""
 
@@ -568,8 +573,8 @@ class Transformer(nn.Module):
             return self.lm_head(h)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
-        chunk = max(1, LOSS_CHUNK_BYTES // (4 * self.config.vocab_size))
         targets = targets.flatten()
+        chunk = loss_chunk_tokens(self.config.vocab_size)
         loss = LinearCrossEntropy.apply(h.flatten(0, 1), self.lm_head.weight, targets, chunk)
         if reduction == "mean":
             loss = loss / (targets != IGNORE_INDEX).sum()
