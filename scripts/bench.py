@@ -21,6 +21,7 @@ import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Callable
 
 import torch
 from hydra import compose, initialize_config_module
@@ -48,16 +49,19 @@ def results_console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
-def matmul_peak(dtype: torch.dtype, repeats: int = MATMUL_REPEATS) -> dict[int, float]:
-    """GFLOP/s of a square `torch.mm` per size, best of several repeats after a warm-up."""
+def matmul_peak(
+    dtype: torch.dtype, repeats: int = MATMUL_REPEATS, mm: Callable = torch.mm
+) -> dict[int, float]:
+    """GFLOP/s of a square `torch.mm` (or another `mm` of two n x n) per size, best of
+    several repeats after a warm-up."""
     figures = {}
     for n in MATMUL_SIZES:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        torch.mm(a, b)
+        mm(a, b)
         best = float("inf")
         for _ in range(repeats):
             tic = time.perf_counter()
-            torch.mm(a, b)
+            mm(a, b)
             best = min(best, time.perf_counter() - tic)
         figures[n] = 2 * n**3 / best / 1e9
     return figures

@@ -13,8 +13,9 @@ model's matmuls can do, two ways:
   cache. "cold" cycles through 128 MiB of operand sets (4x this machine's L3 cache), so
   none is cached when used; "hot" repeats one set, as the square peak does.
 
-Every figure is the best of `--rounds` rounds (the square ones of three times as many),
-the backends alternating from round to round.
+The square peak is `bench.py`'s `matmul_peak`, the one MFU divides by, taken for each
+backend. Every figure is the best of `--rounds` rounds, the backends alternating from
+round to round.
 
     python scripts/bench_matmul.py [--model bench] [--batch-size 8] [--seq-len 256]
                                    [--rounds 3] [--threads 2] [--json OUT]
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from bench import MATMUL_SIZES, results_console
+from bench import MATMUL_SIZES, matmul_peak, results_console
 from bench_peer import load_model_config
 from ciuic_train.model.deepseek import loss_chunk_tokens
 
@@ -115,15 +116,14 @@ def main() -> None:
     dnn = onednn_linear()
     progress = Console(stderr=True)
 
-    square = {}
-    for n in MATMUL_SIZES:
-        progress.print(f"square {n} ...")
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        bt = b.t().contiguous()
-        backends = {"torch.mm": partial(time_cycle, torch.mm, [(a, b)], 4)}
-        if dnn:
-            backends["oneDNN"] = partial(time_cycle, dnn, [(a, bt)], 4)
-        square[n] = best_rate(2 * n**3, backends, 3 * args.rounds)
+    progress.print("square peaks ...")
+    square_backends = {"torch.mm": torch.mm} | ({"oneDNN": dnn} if dnn else {})
+    runs = {name: [] for name in square_backends}
+    for r in range(args.rounds):
+        names = list(square_backends) if r % 2 == 0 else list(square_backends)[::-1]
+        for name in names:
+            runs[name].append(matmul_peak(torch.float32, mm=square_backends[name]))
+    square = {n: {name: max(run[n] for run in runs[name]) for name in runs} for n in MATMUL_SIZES}
 
     products = []
     for product in model_products(args):
@@ -137,7 +137,7 @@ def main() -> None:
                 backends[f"oneDNN {temperature}"] = partial(time_cycle, dnn, sets, calls)
         products.append({"label": product["label"], "gflops": best_rate(product["flops"], backends, args.rounds)})
 
-    peak = {name: max(rates[name] for rates in square.values()) for name in square[MATMUL_SIZES[0]]}
+    peak = {name: max(rates[name] for rates in square.values()) for name in square_backends}
     console = results_console()
     console.print(f"fp32, {args.threads} threads, torch {torch.__version__}; best of {args.rounds} rounds")
     table = Table(title="square fp32 GEMM, GFLOP/s")
