@@ -44,6 +44,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from bench import matmul_peak as square_peaks, results_console  # this script's folder is on sys.path
 from ciuic_train.model import ModelConfig, Transformer, count_parameters
 from ciuic_train.model.deepseek import training_flops_per_token
 
@@ -168,10 +169,8 @@ PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def matmul_peak(dtype: torch.dtype) -> float:
-    """The best square `torch.mm` GFLOP/s over bench.py's sizes (this script's folder is on sys.path)."""
-    from bench import matmul_peak as per_size
-
-    return max(per_size(dtype, repeats=10).values())
+    """The best square `torch.mm` GFLOP/s over bench.py's sizes."""
+    return max(square_peaks(dtype, repeats=10).values())
 
 
 def peak_rss_mib() -> float:
@@ -321,8 +320,6 @@ def main() -> None:
             f["mfu_vs_best_peak"] = f["gflops"] / peak
         peaks[precision] = peak
     results["matmul_peak_gflops"] = peaks
-
-    from bench import results_console
 
     console = results_console()
     console.print(
