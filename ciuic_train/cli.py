@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import typing
 from difflib import get_close_matches
@@ -197,6 +198,17 @@ def quote_override(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def is_user_error_exit(exit_codes: dict[int, int]) -> bool:
+    """Whether failed workers' exit codes by rank mean a user mistake, not a crash.
+
+    Rank 0 exits 2 after saying what was wrong. The other ranks hit the same mistake, but
+    one still on its way there when rank 0 exits is stopped by the launcher (SIGTERM, then
+    SIGKILL), which is no crash of its own.
+    """
+    stopped = {2, -signal.SIGTERM, -signal.SIGKILL}
+    return exit_codes.get(0) == 2 and all(code in stopped for code in exit_codes.values())
+
+
 def _launch_workers(config: Config, run_dir: Path) -> float:
     """Start `dist.nproc_per_node` workers on this job's config and folder, as torchrun would."""
     import uuid
@@ -226,9 +238,8 @@ def _launch_workers(config: Config, run_dir: Path) -> float:
     try:
         elastic_launch(launch, sys.executable)("-m", "ciuic_train", *overrides)
     except ChildFailedError as err:
-        codes = {failure.exitcode for failure in err.failures.values()}
-        if codes == {2}:  # a user error: the worker has already said what it was
-            sys.exit(2)
+        if is_user_error_exit({rank: failure.exitcode for rank, failure in err.failures.items()}):
+            sys.exit(2)  # rank 0 has already said what the mistake was
         failed = ", ".join(f"rank {rank} exit code {f.exitcode}" for rank, f in sorted(err.failures.items()))
         fail(f"workers failed ({failed}); see {run_dir / 'train.log'}", status=1)
     if not (run_dir / "summary.json").is_file():  # the workers saved and stopped on a signal

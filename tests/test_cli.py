@@ -88,3 +88,21 @@ def test_a_mistake_found_inside_the_job_removes_the_fresh_run_folder(tmp_path: P
     assert "model.vocab_size=256; set model.vocab_size=301 or more" in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stdout + result.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "exit_codes, user_error",
+    [
+        ({0: 2, 1: 2}, True),
+        ({0: 2, 1: -15}, True),  # rank 1, still on its way to the same mistake, stopped by the launcher
+        ({0: 2, 1: -9}, True),
+        ({0: 2, 1: 1}, False),  # a crash beside the mistake
+        ({0: 2, 1: -11}, False),
+        ({0: -15, 1: 2}, False),  # rank 0 was stopped before it could say what was wrong
+        ({0: 1}, False),
+    ],
+)
+def test_workers_exit_as_a_user_error_only_when_rank_0_reported_one_and_no_rank_crashed(exit_codes, user_error):
+    from ciuic_train.cli import is_user_error_exit
+
+    assert is_user_error_exit(exit_codes) is user_error
