@@ -10,11 +10,12 @@ loop) or grouped_mm experts.
 
 Timing: every variant is built and warmed up first, then rounds run each variant for a
 few steps in turn, the order rotating from round to round, so machine noise lands on
-every side alike; figures are medians over rounds. MFU is given twice (fp32 peak for fp32,
-bf16 peak for bf16 autocast): against the matmul peak timed in the same round, right after
-the variants, so a slow spell of this shared machine lowers both sides of the ratio alike
-(the median over rounds); and, more severely, against the best peak timed anywhere in the
-run (start, every round, end).
+every side alike; figures are medians over rounds. "ours / this" is given twice: the
+ratio of the two medians, and the median (and range) of the ratios within each round.
+MFU is given twice (fp32 peak for fp32, bf16 peak for bf16 autocast): against the matmul
+peak timed in the same round, right after the variants, so a slow spell of this shared
+machine lowers both sides of the ratio alike (the median over rounds); and, more severely,
+against the best peak timed anywhere in the run (start, every round, end).
 Peak memory: each variant trains 10 steps in a fresh subprocess that first imports both
 stacks; the figure is the growth of its peak RSS (VmHWM) past that point.
 
@@ -248,11 +249,20 @@ def run_precision(
             "setup_s": setup_s[name],
             "page_faults_per_step": statistics.median(faults[name]),
             "rounds_tokens_per_s": [tokens / s for s in per_round[name]],
+            # Paired by round: the two sides of each ratio ran seconds apart, so a slow spell
+            # that spans a round weighs on both; the ratio of the medians can set a fast
+            # round of one side against a slow round of the other.
+            "ours_over_this_per_round": [s / o for s, o in zip(per_round[name], per_round["ours"])],
         }
         if not args.no_memory and name != "ours_compile":
             progress.print(f"({precision}) peak memory of {name} (subprocess) ...")
             results[name] |= peak_memory(name, args, precision)
     return results, round_peaks
+
+
+def paired_ratio(ratios: list[float]) -> str:
+    """Median and range of per-round ratios, as table text (a bracket escaped from rich's markup)."""
+    return f"{statistics.median(ratios):.3f} \\[{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 def parse_args() -> argparse.Namespace:
@@ -331,14 +341,16 @@ def main() -> None:
     for precision, figures in results["precisions"].items():
         table = Table(title=f"{precision}{' autocast' if precision == 'bf16' else ''}: median of {args.rounds} rounds")
         for column in ("variant", "tokens/s", "GFLOP/s", "MFU (round peak)", "MFU (best peak)", "peak mem MiB",
-                       "page faults/step", "ours / this", "build+warm-up s"):
+                       "page faults/step", "ours / this", "ours / this per round: median \\[range]",
+                       "build+warm-up s"):
             table.add_column(column, justify="right")
         ours = figures["ours"]["tokens_per_s"]
         for name, f in figures.items():
             memory = f"{f['peak_rss_growth_mib']:,.0f}" if "peak_rss_growth_mib" in f else "-"
             table.add_row(name, f"{f['tokens_per_s']:,.0f}", f"{f['gflops']:.1f}", f"{f['mfu']:.1%}",
                           f"{f['mfu_vs_best_peak']:.1%}", memory, f"{f['page_faults_per_step']:,.0f}",
-                          f"{ours / f['tokens_per_s']:.3f}", f"{f['setup_s']:.1f}")
+                          f"{ours / f['tokens_per_s']:.3f}", paired_ratio(f["ours_over_this_per_round"]),
+                          f"{f['setup_s']:.1f}")
         console.print(table)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
