@@ -249,10 +249,6 @@ def run_precision(
             "setup_s": setup_s[name],
             "page_faults_per_step": statistics.median(faults[name]),
             "rounds_tokens_per_s": [tokens / s for s in per_round[name]],
-            # Paired by round: the two sides of each ratio ran seconds apart, so a slow spell
-            # that spans a round weighs on both; the ratio of the medians can set a fast
-            # round of one side against a slow round of the other.
-            "ours_over_this_per_round": [s / o for s, o in zip(per_round[name], per_round["ours"])],
         }
         if not args.no_memory and name != "ours_compile":
             progress.print(f"({precision}) peak memory of {name} (subprocess) ...")
@@ -260,8 +256,12 @@ def run_precision(
     return results, round_peaks
 
 
-def paired_ratio(ratios: list[float]) -> str:
-    """Median and range of per-round ratios, as table text (a bracket escaped from rich's markup)."""
+def paired_ratio(ours: list[float], this: list[float]) -> str:
+    """Median and range of ours / this tokens/s within each round, as table text (the
+    bracket escaped from rich's markup). Paired by round: the two sides of each ratio ran
+    seconds apart, so a slow spell that spans a round weighs on both, where the ratio of
+    the medians can set a fast round of one side against a slow round of the other."""
+    ratios = [o / t for o, t in zip(ours, this)]
     return f"{statistics.median(ratios):.3f} \\[{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
@@ -344,12 +344,12 @@ def main() -> None:
                        "page faults/step", "ours / this", "ours / this per round: median \\[range]",
                        "build+warm-up s"):
             table.add_column(column, justify="right")
-        ours = figures["ours"]["tokens_per_s"]
+        ours, ours_rounds = figures["ours"]["tokens_per_s"], figures["ours"]["rounds_tokens_per_s"]
         for name, f in figures.items():
             memory = f"{f['peak_rss_growth_mib']:,.0f}" if "peak_rss_growth_mib" in f else "-"
             table.add_row(name, f"{f['tokens_per_s']:,.0f}", f"{f['gflops']:.1f}", f"{f['mfu']:.1%}",
                           f"{f['mfu_vs_best_peak']:.1%}", memory, f"{f['page_faults_per_step']:,.0f}",
-                          f"{ours / f['tokens_per_s']:.3f}", paired_ratio(f["ours_over_this_per_round"]),
+                          f"{ours / f['tokens_per_s']:.3f}", paired_ratio(ours_rounds, f["rounds_tokens_per_s"]),
                           f"{f['setup_s']:.1f}")
         console.print(table)
     if args.json:
