@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ciuic_train.errors import UserError
 from ciuic_train.files import written_atomically
+from ciuic_train.model.config import IMPLEMENTATION_FIELDS
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -165,11 +166,15 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def run_fingerprint(model_config, trick_names: list[str], world_size: int) -> dict[str, Any]:
-    """What a checkpoint must agree with to be resumed: model shape, tricks, world size."""
-    return {"model": asdict(model_config), "tricks": sorted(trick_names), "world_size": world_size}
+    """What a checkpoint must agree with to be resumed: model shape, tricks, world size.
+
+    Fields that change only how the model is computed (`model.kernels`) are left out.
+    """
+    model = {k: v for k, v in asdict(model_config).items() if k not in IMPLEMENTATION_FIELDS}
+    return {"model": model, "tricks": sorted(trick_names), "world_size": world_size}
 
 
-def check_compatible(meta: dict[str, Any], expected: dict[str, Any], allow_trick_change: bool) -> None:
+def check_resumable(meta: dict[str, Any], expected: dict[str, Any], allow_trick_change: bool) -> None:
     """Refuse a checkpoint from a run this one cannot continue, naming the difference."""
     saved_model, model = meta["model"], expected["model"]
     for key in model:

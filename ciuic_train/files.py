@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 @contextmanager
@@ -21,3 +22,8 @@ def written_atomically(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    with written_atomically(path) as tmp:
+        tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")

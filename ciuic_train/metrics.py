@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ciuic_train.files import written_atomically
+
 log = logging.getLogger("ciuic_train")
 
 
@@ -38,6 +40,15 @@ class MetricsFile:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def drop_metrics_after(path: Path, step: int) -> None:
+    """On resume, forget logged steps the checkpoint does not contain, so none is duplicated."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    with written_atomically(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))
 
 
 def format_step(record: dict[str, Any]) -> str:

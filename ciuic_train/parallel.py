@@ -1,22 +1,22 @@
-"""Processes, the process group, and how the model is spread over it.
+"""Processes, the process group, and the collectives the trainer needs.
 
 The trainer sees one `Parallel` object whatever the world size: with one process it has
 no process group and every collective is the identity, so single-process training needs
 nothing from torch.distributed. Rank, local rank and world size come from the launcher's
-environment (torchrun, the CLI's own elastic launcher, or later Slurm).
+environment (torchrun, the CLI's own elastic launcher, or Slurm). How the model is
+spread over the ranks is `ciuic_train/parallelize.py`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 import os
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -84,37 +84,6 @@ class Parallel:
     @property
     def is_main(self) -> bool:
         return self.info.is_main
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The model the training step calls: DDP replica, FSDP2 shards, or the model itself."""
-        if self.strategy is Strategy.ddp:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # Buffers are not re-broadcast before each forward: each rank's MoE token counts
-            # are its own until update_expert_bias all-reduces them.
-            newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-            no_buffer_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(model, device_ids=device_ids, **no_buffer_sync)
-        if self.strategy is Strategy.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.layers:
-                fully_shard(block)
-            fully_shard(model)
-        return model
-
-    def register_comm_hook(self, model: nn.Module, hook: tuple[str, Any, Callable] | None) -> None:
-        """Install a trick's DDP communication hook, or say why it cannot act."""
-        if hook is None:
-            return
-        owner, state, fn = hook
-        if self.strategy is Strategy.ddp:
-            model.register_comm_hook(state, fn)
-        elif self.strategy is Strategy.fsdp:
-            raise UserError(f"trick {owner} needs DDP's communication hook, which dist.strategy=fsdp does not have")
-        else:
-            log.warning(f"trick {owner}: world size 1, no gradient all-reduce to act on")
 
     def grad_sync(self, model: nn.Module, enabled: bool):
         """Context for one micro-batch's backward: gradients are reduced only when enabled."""
@@ -199,6 +168,13 @@ def _attempt_store(info: RankInfo, timeout: timedelta) -> dict[str, Any]:
 def _fsdp_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     model.set_requires_gradient_sync(enabled)
     yield
+
+
+def full_value(tensor: torch.Tensor) -> float:
+    """A scalar as a float, gathering it first if it is a sharded (FSDP2) DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).item()
 
 
 def param_checksum(model: nn.Module) -> str:

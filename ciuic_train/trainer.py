@@ -1,40 +1,45 @@
-"""The training loop: one optimizer step is micro-batches of forward, loss, backward; clip; step.
+"""The training loop.
 
-Tricks change behaviour only through the seams of `TrickSet` (init, sample order, lr,
-loss, micro-batch weights); the loop below reads the same with or without them.
+One optimizer step (`Trainer.train_step`):
+
+    lr for this step                        <- tricks.lr_at
+    weights of its micro-batches            <- tricks.micro_batch_weights
+    for each micro-batch:
+        next windows of this rank's share   (sampler, ordered by tricks.order_indices each epoch)
+        loss = model(inputs, targets)       <- tricks.transform_loss
+        backward(loss * weight)             gradients cross ranks on the last micro-batch only
+                                            (DDP's all-reduce, or tricks.comm_hook in its place)
+    clip the gradient norm, optimizer step
+    MoE: one balancing step from the tokens each expert received
+
+The run (`Trainer.fit`): steps until `train.max_steps`; after each, evaluate, save
+(<- tricks.should_save) and log when `Cadence` says so; a stop signal (`StopRequest`)
+saves and ends the run after the current step. `tricks.init_weights` runs once, on the
+freshly built model. The seams are defined in ciuic_train/tricks/base.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import signal
-import threading
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ciuic_train.checkpoint import Checkpointer, check_compatible, read_meta, resolve_resume, run_fingerprint
-from ciuic_train.config import Config, Device, FaultConfig, Precision
-from ciuic_train.data import (
-    WindowSampler,
-    eval_indices,
-    get_batch,
-    load_tokens,
-    n_windows,
-    unigram_entropy,
-)
+from ciuic_train.checkpoint import Checkpointer, check_resumable, read_meta, resolve_resume, run_fingerprint
+from ciuic_train.config import Config, Device, Precision
+from ciuic_train.data import WindowSampler, eval_indices, get_batch, load_tokens, n_windows, unigram_entropy
 from ciuic_train.errors import UserError
-from ciuic_train.files import written_atomically
-from ciuic_train.metrics import MetricsFile, ProgressDisplay
+from ciuic_train.files import write_json_atomic
+from ciuic_train.loop import Cadence, StopRequest, Throughput, inject_fault
+from ciuic_train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.model import Transformer, count_parameters, generate
 from ciuic_train.optim import WarmupCosine, build_optimizer
-from ciuic_train.parallel import Parallel, param_checksum
+from ciuic_train.parallel import Parallel, full_value, param_checksum
+from ciuic_train.parallelize import parallelize
 from ciuic_train.tricks import TrickContext, build_tricks
 
 log = logging.getLogger("ciuic_train")
@@ -50,7 +55,12 @@ def resolve_device(choice: Device, local_rank: int = 0) -> torch.device:
 
 
 class Trainer:
-    """Builds everything a run needs from the config, then `fit()` trains it."""
+    """Builds everything a run needs from the config, then `fit()` trains it.
+
+    `model` is the plain `Transformer` (checkpoints, counts, sampling); `wrapped_model`
+    is what the training step calls, as `parallelize` wrapped it (DDP's replica, or the
+    same model sharded in place by FSDP, or the model itself).
+    """
 
     def __init__(self, config: Config, run_dir: Path, parallel: Parallel | None = None):
         self.config = config
@@ -75,16 +85,11 @@ class Trainer:
         )
 
         # Every rank builds the same weights from the same seed; DDP also broadcasts rank 0's.
-        self.module = Transformer(config.model).to(self.device)
-        self.tricks.init_weights(self.module)
-        self.module.activation_checkpointing = config.activation_checkpointing
-        if config.compile:
-            for block in self.module.layers:
-                block.compile()
-        self.model = self.parallel.wrap(self.module)
-        self.parallel.register_comm_hook(self.model, self.tricks.comm_hook())
-        self.optimizer = build_optimizer(self.module, config.optim, train.lr)
-        self.schedule = WarmupCosine(train.lr, train.warmup_steps, train.max_steps, config.optim.min_lr_ratio)
+        self.model = Transformer(config.model).to(self.device)
+        self.tricks.init_weights(self.model)
+        self.wrapped_model = parallelize(self.model, config, self.parallel, self.tricks.comm_hook())
+        self.optimizer = build_optimizer(self.model, config.optim, train.lr)
+        self.lr_schedule = WarmupCosine(train.lr, train.warmup_steps, train.max_steps, config.optim.min_lr_ratio)
         self.sampler = WindowSampler(
             n_windows(self.data.train, train.seq_len), config.seed, rank, world,
             order=self.tricks.order_indices, shuffle=config.data.shuffle,
@@ -98,6 +103,7 @@ class Trainer:
             else nullcontext()
         )
         self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum * world
+        self.cadence = Cadence(train, config.ckpt, self.tricks.should_save)
         self.step = 0
         self.checkpointer = Checkpointer(run_dir / "checkpoints", rank, world, config.ckpt.keep_last)
         self.resumed_from = resolve_resume(config.resume, run_dir)
@@ -114,11 +120,11 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "tricks": self.tricks.state_dict(),
         }
-        return self.checkpointer.save(self.step, self.module, self.optimizer, rank_state, self._meta())
+        return self.checkpointer.save(self.step, self.model, self.optimizer, rank_state, self._meta())
 
     def _resume(self, path: Path) -> None:
-        check_compatible(read_meta(path), self._meta(), self.config.ckpt.allow_trick_change)
-        state = self.checkpointer.load(path, self.module, self.optimizer)
+        check_resumable(read_meta(path), self._meta(), self.config.ckpt.allow_trick_change)
+        state = self.checkpointer.load(path, self.model, self.optimizer)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.tricks.load_state_dict(state["tricks"])
@@ -127,9 +133,9 @@ class Trainer:
         log.info(f"resumed from {path} at step {self.step}")
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        # The model computes the fp32 cross-entropy itself, over chunks of tokens (see its forward).
+        # The model computes the fp32 cross-entropy itself (see its forward).
         with self.autocast:
-            return self.model(inputs, targets, reduction=reduction)
+            return self.wrapped_model(inputs, targets, reduction=reduction)
 
     def _batch(self, indices: torch.Tensor, split) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = get_batch(split, indices, self.config.train.seq_len)
@@ -138,7 +144,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over `grad_accum` micro-batches; returns its figures (this rank's loss)."""
         train = self.config.train
-        lr = self.tricks.lr_at(self.step, self.schedule)
+        lr = self.tricks.lr_at(self.step, self.lr_schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -146,114 +152,107 @@ class Trainer:
         weights = self.tricks.micro_batch_weights(self.step, train.grad_accum)
         for i, weight in enumerate(weights):
             inputs, targets = self._batch(self.sampler.next_indices(train.batch_size), self.data.train)
-            # Gradients cross ranks once per optimizer step, on the last micro-batch.
-            with self.parallel.grad_sync(self.model, enabled=i == len(weights) - 1):
+            with self.parallel.grad_sync(self.wrapped_model, enabled=i == len(weights) - 1):
                 loss = self.tricks.transform_loss(self._loss(inputs, targets), self.step)
                 (loss * weight).backward()
             loss_sum += loss.item() * weight
 
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
-        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        imbalance = self.module.expert_load_imbalance()
-        self.module.update_expert_bias(all_reduce=self.parallel.all_reduce_sum_)
+        moe_imbalance = self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)
         self.step += 1
-        return {
-            "loss": loss_sum / sum(weights),
-            "lr": lr,
-            "grad_norm": grad_norm,
-            # Worst MoE layer's max/mean tokens per expert this step (1.0 is perfect balance).
-            "moe_imbalance": max(imbalance.values(), default=1.0),
-        }
+        return {"loss": loss_sum / sum(weights), "lr": lr, "grad_norm": grad_norm, "moe_imbalance": moe_imbalance}
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss per token over the fixed validation windows, whatever the world size."""
-        was_training = self.model.training
-        self.model.eval()
+        was_training = self.wrapped_model.training
+        self.wrapped_model.eval()
         batch_size = self.config.train.batch_size
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i in range(0, len(self.val_windows), batch_size):
             inputs, targets = self._batch(self.val_windows[i : i + batch_size], self.data.val)
             totals[0] += self._loss(inputs, targets, reduction="sum").double()
             totals[1] += targets.numel()
-        self.model.train(was_training)
+        self.wrapped_model.train(was_training)
         self.parallel.all_reduce_sum_(totals)
         return (totals[0] / totals[1]).item()
 
     def fit(self) -> dict[str, Any]:
-        train = self.config.train
-        n_params, n_active = count_parameters(self.module)
-        log.info(
-            f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active) on {self.device} "
-            f"({torch.get_num_threads()} threads); "
-            f"data {self.data.description}: {len(self.data.train):,} train / {len(self.data.val):,} val tokens"
-        )
+        """Train to `train.max_steps` (or a stop signal); returns the run's summary."""
+        self._log_start()
         is_main = self.parallel.is_main
         metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None)
-        started = time.perf_counter()
-        # Throughput counts the whole loop (data, step, logging) but not evaluation or saving.
-        eval_seconds, window_start, window_paused, window_steps = 0.0, started, 0.0, 0
-        window_loss, last_val, final_train_loss, stopped_by = 0.0, float("nan"), float("nan"), None
-        self.model.train()
-        with ProgressDisplay(train.max_steps, self.config.progress.value, enabled=is_main) as progress, \
+        throughput = Throughput(self.tokens_per_step)
+        losses_since_log: list[float] = []
+        last_val, last_logged_loss, stopped_by = float("nan"), float("nan"), None
+        self.wrapped_model.train()
+        with ProgressDisplay(self.config.train.max_steps, self.config.progress.value, enabled=is_main) as progress, \
                 StopRequest() as stop:
             progress.advance(self.step)
-            while self.step < train.max_steps:
+            while self.step < self.config.train.max_steps:
                 figures = self.train_step()
-                window_steps += 1
-                window_loss += figures["loss"]
+                throughput.count_step()
+                losses_since_log.append(figures["loss"])
                 progress.advance(self.step)
 
-                is_last = self.step == train.max_steps
-                record: dict[str, Any] = {}
-                if self.step % train.eval_every == 0 or is_last:
-                    tic = time.perf_counter()
-                    last_val = self.evaluate()
-                    window_paused += time.perf_counter() - tic
-                    record["val_loss"] = last_val
+                evaluated = self.cadence.evaluates(self.step)
+                if evaluated:
+                    with throughput.paused():
+                        last_val = self.evaluate()
                 stopped_by = stop.agreed(self.parallel)
-                if is_last or stopped_by or self.tricks.should_save(self.step, self.config.ckpt.every):
-                    tic = time.perf_counter()
-                    self.save_checkpoint()
-                    window_paused += time.perf_counter() - tic
-                if self.step % train.log_every == 0 or is_last or record or stopped_by:
-                    now = time.perf_counter()
+                if self.cadence.saves(self.step, stopping=stopped_by is not None):
+                    with throughput.paused():
+                        self.save_checkpoint()
+                if self.cadence.logs(self.step, evaluated, stopping=stopped_by is not None):
                     record = {
                         "step": self.step,
-                        "loss": self.parallel.mean(window_loss / window_steps),
+                        # The mean over ranks of each rank's mean loss since the last log line.
+                        "loss": self.parallel.mean(sum(losses_since_log) / len(losses_since_log)),
                         "lr": figures["lr"],
                         "grad_norm": figures["grad_norm"],
                         "moe_imbalance": figures["moe_imbalance"],
-                        "tokens_per_s": self.tokens_per_step * window_steps / (now - window_start - window_paused),
-                        "elapsed_s": now - started,
-                        **record,
+                        "tokens_per_s": throughput.window_rate(),
+                        "elapsed_s": throughput.elapsed_s(),
+                        **({"val_loss": last_val} if evaluated else {}),
                         "checkpoints": self.checkpointer.saves,
                         **self.tricks.metrics(),
                     }
                     metrics.write(record)
                     progress.report(record)
-                    final_train_loss = record["loss"]
-                    eval_seconds += window_paused
-                    window_start, window_paused, window_steps, window_loss = now, 0.0, 0, 0.0
+                    last_logged_loss = record["loss"]
+                    losses_since_log.clear()
                 if stopped_by:
                     break
                 inject_fault(self.config.fault, self.parallel.info.rank, self.step)
         metrics.close()
         self.tricks.close()
-        wall = time.perf_counter() - started
+        return self._finish(throughput, last_logged_loss, last_val, stopped_by)
 
-        checksum = param_checksum(self.module)
+    def _log_start(self) -> None:
+        n_params, n_active = count_parameters(self.model)
+        log.info(
+            f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active) on {self.device} "
+            f"({torch.get_num_threads()} threads); "
+            f"data {self.data.description}: {len(self.data.train):,} train / {len(self.data.val):,} val tokens"
+        )
+
+    def _finish(self, throughput: Throughput, final_train_loss: float, final_val_loss: float,
+                stopped_by: str | None) -> dict[str, Any]:
+        """Check that the replicas agree, then write the summary (unless a signal stopped the run)."""
+        checksum = param_checksum(self.model)
         self.parallel.require_same(checksum, "param_checksum")
+        n_params, n_active = count_parameters(self.model)
         summary = {
             "steps": self.step,
             "stopped_by": stopped_by,
             "final_train_loss": final_train_loss,
-            "final_val_loss": last_val,
+            "final_val_loss": final_val_loss,
             "unigram_entropy": unigram_entropy(self.data.train, self.data.vocab_size),
-            "tokens_per_s": self.tokens_per_step * self.step / (wall - eval_seconds),
-            "wall_s": wall,
+            "tokens_per_s": throughput.run_rate(),
+            "wall_s": throughput.elapsed_s(),
             "world_size": self.parallel.world_size,
             "strategy": self.parallel.strategy.value,
             "tricks": self.tricks.names,
@@ -262,18 +261,19 @@ class Trainer:
             "n_active_params": n_active,
             "param_checksum": checksum,
             "model": self.config.model.name,
+            "kernels": self.config.model.kernels,
             "device": str(self.device),
             "precision": self.config.precision.value,
             "checkpoint_saves": self.checkpointer.saves,
             "checkpoint_seconds": self.checkpointer.seconds,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
-        if is_main and stopped_by:
+        if self.parallel.is_main and stopped_by:
             log.warning(
                 f"stopped by {stopped_by} after step {self.step}; checkpoint saved; continue with "
                 f"resume=auto hydra.run.dir={self.run_dir}"
             )
-        elif is_main:
+        elif self.parallel.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)
             log.info("summary " + json.dumps(summary))
         return summary
@@ -286,71 +286,5 @@ class Trainer:
         prompt = torch.tensor([list(cfg.prompt.encode("utf-8"))], dtype=torch.long, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         with self.autocast:
-            out = generate(self.module, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
+            out = generate(self.model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
-
-
-class StopRequest:
-    """A signal asks the loop to save a checkpoint and stop after the current step.
-
-    SIGTERM: Slurm's cancel or preemption, or a plain `kill`; SIGUSR1: Slurm's warning
-    before the time limit (`--signal=USR1@N`, submitit's default); SIGINT: Ctrl-C, where
-    a second one interrupts at once. Ranks stop at the same step, under one signal name.
-    """
-
-    # Ranked: when ranks see different signals, the highest wins (a cancel must not
-    # turn into a requeue).
-    SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM)
-
-    def __init__(self):
-        self.received = 0  # 1 + index in SIGNALS of the highest signal seen; 0: none
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.received = max(self.received, 1 + self.SIGNALS.index(signum))
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def agreed(self, parallel: Parallel) -> str | None:
-        """The signal's name once any rank has one, the same on every rank."""
-        highest = parallel.max(self.received)
-        return self.SIGNALS[highest - 1].name if highest else None
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
-    """Kill this process as a crash would, on the first attempt only, to test recovery."""
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if first_attempt and rank == fault.kill_rank and step == fault.at_step:
-        log.warning(f"fault injection: rank {rank} kills itself after step {step}")
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def drop_metrics_after(path: Path, step: int) -> None:
-    """On resume, forget logged steps the checkpoint does not contain, so none is duplicated."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    with written_atomically(path) as tmp:
-        tmp.write_text("".join(line + "\n" for line in kept))
-
-
-def full_value(tensor: torch.Tensor) -> float:
-    """A scalar as a float, gathering it first if it is a sharded (FSDP2) DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).item()
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    with written_atomically(path) as tmp:
-        tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")

@@ -44,7 +44,7 @@ def main() -> None:
             path = trainer.save_checkpoint()
             saves.append(time.perf_counter() - tic)
             tic = time.perf_counter()
-            trainer.checkpointer.load(path, trainer.module, trainer.optimizer)
+            trainer.checkpointer.load(path, trainer.model, trainer.optimizer)
             loads.append(time.perf_counter() - tic)
             trainer.train_step()
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -104,8 +104,8 @@ def worker(args: argparse.Namespace) -> None:
     # Only fit() writes to the run folder; train_step() never does, so a throwaway one will do.
     with tempfile.TemporaryDirectory() as run_dir:
         trainers = {name: Trainer(config, Path(run_dir), parallel) for name in ("ddp", "nocomm", "serial")}
-    trainers["nocomm"].model.register_comm_hook(state=None, hook=no_comm_hook)
-    trainers["serial"].model.register_comm_hook(state=serial_seconds, hook=serial_all_reduce_hook)
+    trainers["nocomm"].wrapped_model.register_comm_hook(state=None, hook=no_comm_hook)
+    trainers["serial"].wrapped_model.register_comm_hook(state=serial_seconds, hook=serial_all_reduce_hook)
 
     step_s: dict[str, list[float]] = {name: [] for name in trainers}
     all_reduce_s: list[float] = []
@@ -125,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
                     buckets.append(len(serial_seconds))
 
     if parallel.is_main:
-        grad_bytes = sum(p.numel() * p.element_size() for p in trainers["ddp"].module.parameters() if p.requires_grad)
+        grad_bytes = sum(p.numel() * p.element_size() for p in trainers["ddp"].model.parameters() if p.requires_grad)
         print(
             json.dumps(
                 {

@@ -37,7 +37,7 @@ from rich.table import Table
 
 from bench import MATMUL_SIZES, matmul_peak, results_console
 from bench_peer import load_model_config
-from ciuic_train.model.deepseek import loss_chunk_tokens
+from ciuic_train.model.kernels.loss import loss_chunk_tokens
 
 COLD_BYTES = 128 * 2**20
 CALLS_PER_ROUND = 24

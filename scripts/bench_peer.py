@@ -19,23 +19,31 @@ against the best peak timed anywhere in the run (start, every round, end).
 Peak memory: each variant trains 10 steps in a fresh subprocess that first imports both
 stacks; the figure is the growth of its peak RSS (VmHWM) past that point.
 
+Besides `ours` (`model.kernels=auto`), `ours_reference` times the plain formulas
+(`model.kernels=reference`), and `--baseline REV` adds `ours@REV`: the model file of git
+revision REV, loaded beside today's, so a change to the model is measured side by side
+with the code before it, in the same rounds.
+
     pip install -e '.[bench]'
     python scripts/bench_peer.py [--model bench] [--rounds 5] [--steps 3] [--precision fp32 bf16]
-                                 [--compile] [--no-memory] [--json OUT]
+                                 [--compile] [--no-memory] [--baseline REV] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -50,7 +58,8 @@ from ciuic_train.model import ModelConfig, Transformer, count_parameters
 from ciuic_train.model.deepseek import training_flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("ours", "hf_eager", "hf_grouped_mm")
+VARIANTS = ("ours", "hf_eager", "hf_grouped_mm", "ours_reference")
+BASELINE_PREFIX = "ours@"
 WARMUP_STEPS = 2
 MEMORY_STEPS = 8
 BETAS, WEIGHT_DECAY, LR = (0.9, 0.95), 0.1, 1e-4
@@ -104,6 +113,20 @@ def peer_model(cfg: ModelConfig, experts: str) -> torch.nn.Module:
     return model
 
 
+@lru_cache(maxsize=None)
+def model_module_at(revision: str):
+    """ciuic_train/model/deepseek.py as of a git revision, imported under a name of its own."""
+    source = subprocess.run(
+        ["git", "show", f"{revision}:ciuic_train/model/deepseek.py"], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / f"deepseek_at_{revision}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     """Fused AdamW, weight decay on matrices except the input embedding, for either model."""
     embedding = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else model.tok_embeddings.weight
@@ -155,8 +178,10 @@ def build(name: str, cfg: ModelConfig, precision: str, batch: int, seq: int) -> 
     hf = name.startswith("hf_")
     if hf:
         model = peer_model(cfg, name.removeprefix("hf_"))
+    elif name.startswith(BASELINE_PREFIX):
+        model = model_module_at(name.removeprefix(BASELINE_PREFIX)).Transformer(cfg)
     else:
-        model = Transformer(cfg)
+        model = Transformer(replace(cfg, kernels="reference") if name == "ours_reference" else cfg)
         if name == "ours_compile":
             for block in model.layers:
                 block.compile()
@@ -210,6 +235,7 @@ def run_precision(
 ) -> tuple[dict, list[float]]:
     """Figures per variant, and the matmul peak timed in each round."""
     names = list(VARIANTS) + (["ours_compile"] if args.compile and precision == "fp32" else [])
+    names += [BASELINE_PREFIX + args.baseline] if args.baseline else []
     runners, setup_s = {}, {}
     for name in names:
         progress.print(f"({precision}) building and warming up {name} ...")
@@ -276,6 +302,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also time our model with compile=true (fp32)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--baseline", metavar="REV", help="also time our model file as of this git revision")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -308,6 +335,7 @@ def main() -> None:
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "steps_per_round": args.steps,
+        "baseline": args.baseline,
         "rounds": args.rounds,
         "params": total,
         "active_params": active,

@@ -200,7 +200,7 @@ def test_export_gives_one_file_that_loads_without_distributed(tmp_path, text_cor
     model = Transformer(ModelConfig(**exported["model_config"]))
     model.load_state_dict(exported["state_dict"])
     tokens = torch.randint(0, 256, (1, 16))
-    torch.testing.assert_close(model.eval()(tokens), trainer.module.eval()(tokens), rtol=0, atol=0)
+    torch.testing.assert_close(model.eval()(tokens), trainer.model.eval()(tokens), rtol=0, atol=0)
 
 
 def test_sigterm_stops_a_sweep_after_saving_the_running_job(tmp_path, text_corpus):

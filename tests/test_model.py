@@ -1,6 +1,5 @@
 import dataclasses
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -9,21 +8,21 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from ciuic_train.model import ModelConfig, Transformer, count_parameters, generate
-from ciuic_train.model import deepseek
+from ciuic_train.model.config import IMPLEMENTATION_FIELDS
 from ciuic_train.model.deepseek import (
+    REFERENCE,
     MoE,
-    RMSNorm,
     apply_rope,
-    blocked_attention,
-    causal_attention,
     grouped_mm_supported,
-    padded_sdpa,
+    grouped_swiglu,
+    kernels_for,
     rope_tables,
-    softmax_fp32,
+    swiglu_per_expert,
     training_flops_per_token,
 )
 
 REPO = Path(__file__).parents[1]
+KERNELS = ["auto", "reference"]
 PRESETS = ["tiny", "small", "bench", "deepseek_v2_lite", "deepseek_v3"]
 
 
@@ -48,13 +47,15 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_sets_every_field_and_is_named_after_its_file(name):
+    """Every field that shapes the model; how it is computed (`kernels`) stays the user's choice."""
     fields = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
-    assert set(fields) == {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(fields) == {f.name for f in dataclasses.fields(ModelConfig)} - set(IMPLEMENTATION_FIELDS)
     assert load_preset(name).name == name
 
 
-def test_changing_a_token_never_changes_earlier_logits():
-    model = tiny_model().eval()
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_changing_a_token_never_changes_earlier_logits(kernels):
+    model = tiny_model(kernels=kernels).eval()
     idx = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     changed_at = 17
     edited = idx.clone()
@@ -66,64 +67,10 @@ def test_changing_a_token_never_changes_earlier_logits():
     assert not torch.allclose(before[:, changed_at], after[:, changed_at])
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("ignore", [False, True])
-def test_chunked_loss_equals_cross_entropy_over_full_logits_forward_and_grads(monkeypatch, reduction, ignore):
-    # 2 x 40 = 80 tokens in chunks of 12 (12 x 4 bytes x 256 = 12288): six full chunks and
-    # a short last one of 8, so a dropped chunk or one weighted by its size shows.
-    monkeypatch.setattr(deepseek, "LOSS_CHUNK_BYTES", 12 * 4 * 256 + 5)
-    chunks = []
-    apply = deepseek.LinearCrossEntropy.apply
-    monkeypatch.setattr(deepseek.LinearCrossEntropy, "apply", lambda *a: chunks.append(a[-1]) or apply(*a))
-    idx, targets = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(3)).split([40, 1], 1)
-    targets = torch.cat([idx[:, 1:], targets], 1)
-    if ignore:  # padding-style targets, in a full chunk and across two
-        targets[0, 3:9] = -100
-        targets[1, 10:30] = -100
-    chunked, full = tiny_model(), tiny_model()
-    # A skewed head makes every chunk's loss differ (and weigh) noticeably.
-    with torch.no_grad():
-        for model in (chunked, full):
-            model.lm_head.weight.mul_(torch.linspace(0.0, 20.0, 256)[:, None])
-
-    loss = chunked(idx, targets, reduction=reduction)
-    expected = F.cross_entropy(full(idx).float().flatten(0, 1), targets.flatten(), reduction=reduction)
-    assert chunks == [12]
-    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
-    # Gradients are taken in forward and scaled in backward: a non-linear function of the
-    # loss must still get the chain rule right.
-    loss.log().backward()
-    expected.log().backward()
-    for (name, p), q in zip(chunked.named_parameters(), full.parameters()):
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
-
-
-def test_loss_stays_exact_where_the_target_probability_underflows():
-    """Logits 200 apart give each target a probability below fp32's smallest; each token's loss is 200."""
-    h = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
-    weight = torch.tensor([[200.0, 0.0], [0.0, 0.0], [0.0, 200.0]], requires_grad=True)
-    targets = torch.tensor([1, 0])
-    loss = deepseek.LinearCrossEntropy.apply(h, weight, targets, 1)
-    expected = F.cross_entropy(h @ weight.T, targets, reduction="sum")
-    assert torch.isfinite(loss)
-    torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(loss, torch.tensor(400.0))
-
-
-def test_loss_without_grad_matches_and_keeps_nothing():
-    model = tiny_model()
-    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        loss = model(idx, idx)
-        expected = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-    assert loss.grad_fn is None
-    torch.testing.assert_close(loss, expected)
-
-
-def test_bf16_autocast_loss_and_grads_stay_close_to_fp32():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_bf16_autocast_loss_and_grads_stay_close_to_fp32(kernels):
     idx = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
-    fp32, bf16 = tiny_model(), tiny_model()
+    fp32, bf16 = tiny_model(kernels=kernels), tiny_model(kernels=kernels)
     expected = fp32(idx, idx)
     expected.backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -150,49 +97,6 @@ def test_sequence_longer_than_max_seq_len_is_refused():
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
-def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def test_rms_norm_matches_its_formula_forward_and_grads():
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 5, 16, generator=generator, dtype=torch.float64, requires_grad=True)
-    norm = RMSNorm(16, 1e-6).double()
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5, generator=generator)
-    grad_out = torch.randn(3, 5, 16, generator=generator, dtype=torch.float64)
-    results = []
-    for forward in (norm, lambda t: reference_rms_norm(t, norm.weight, 1e-6)):
-        out = forward(x)
-        results.append((out, *torch.autograd.grad(out, (x, norm.weight), grad_out)))
-    for got, expected in zip(*results):
-        torch.testing.assert_close(got, expected)
-
-
-def test_rms_norm_of_bf16_is_computed_in_fp32_and_returned_in_bf16():
-    x = (torch.randn(4, 64) * 1e3).bfloat16().requires_grad_()  # squares overflow nothing in fp32
-    norm = RMSNorm(64, 1e-6)
-    out = norm(x)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), reference_rms_norm(x.float(), norm.weight, 1e-6), atol=0.01, rtol=0.01)
-    out.float().sum().backward()
-    assert x.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.float32
-
-
-@pytest.mark.parametrize("dim", [0, -1])
-def test_softmax_fp32_overwrites_fp32_input_and_leaves_bf16_input_alone(dim):
-    scores = torch.randn(6, 9) * 5
-    expected = torch.softmax(scores, dim=dim)
-    fp32 = scores.clone()
-    out = softmax_fp32(fp32, dim=dim)
-    torch.testing.assert_close(out, expected)
-    assert out.data_ptr() == fp32.data_ptr()  # no second buffer
-    bf16 = scores.bfloat16()
-    out = softmax_fp32(bf16, dim=dim)
-    assert out.dtype == torch.float32 and torch.equal(bf16, scores.bfloat16())
-    torch.testing.assert_close(out, torch.softmax(bf16.float(), dim=dim))
-
-
 def test_rope_rotates_adjacent_pairs_and_depends_only_on_relative_position():
     cos, sin = rope_tables(8, 64, theta=10000.0)
     x = torch.randn(64, 8)
@@ -217,24 +121,26 @@ def test_rope_rotates_adjacent_pairs_and_depends_only_on_relative_position():
     torch.testing.assert_close(score(0, 0), q @ k)
 
 
-def test_rope_takes_slices_at_odd_offsets():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_rope_takes_slices_at_odd_offsets(kernels):
     """The rope parts are slices after odd-width parts here; the complex view must not refuse them."""
-    model = tiny_model(kv_lora_rank=23, qk_nope_head_dim=7)
+    model = tiny_model(kv_lora_rank=23, qk_nope_head_dim=7, kernels=kernels)
     idx = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(6))
     model(idx, idx).backward()
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_attention_scores_depend_only_on_relative_position(monkeypatch):
+def test_attention_scores_depend_only_on_relative_position():
     model = tiny_model().eval()
     attn, seq = model.layers[0].attn, 12
     captured = {}
+    attention = attn.attention
 
-    def spy(q, k, v, **kwargs):
+    def spy(q, k, v, scale):
         captured["q"], captured["k"] = q, k
-        return causal_attention(q, k, v, **kwargs)
+        return attention(q, k, v, scale)
 
-    monkeypatch.setattr(deepseek, "causal_attention", spy)
+    attn.attention = spy
     # The same input at every position: any variation in the scores comes from RoPE.
     x = torch.randn(1, 1, model.config.dim).expand(1, seq, -1)
     with torch.no_grad():
@@ -243,71 +149,6 @@ def test_attention_scores_depend_only_on_relative_position(monkeypatch):
     torch.testing.assert_close(scores[:, 5, 2], scores[:, 9, 6])
     torch.testing.assert_close(scores[:, 3, 3], scores[:, 11, 11])
     assert (scores[:, 5, 2] - scores[:, 5, 4]).abs().max() > 1e-4
-
-
-def reference_attention(q, k, v, scale):
-    """Causal attention spelled out, no fused kernel."""
-    seq = q.shape[-2]
-    scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
-    return scores.softmax(-1) @ v
-
-
-@pytest.mark.parametrize(("qk_dim", "v_dim"), [(12, 8), (8, 12), (8, 8)])
-@pytest.mark.parametrize(
-    ("attend", "seq"),
-    [
-        (padded_sdpa, 10),
-        (blocked_attention, 10),  # one block
-        (partial(blocked_attention, block_rows=4), 10),  # 4 + 4 + 2
-        (partial(blocked_attention, block_rows=3), 7),  # 3 + 3 + 1
-    ],
-)
-def test_padded_and_blocked_attention_match_plain_attention_forward_and_grads(attend, seq, qk_dim, v_dim):
-    generator = torch.Generator().manual_seed(0)
-    shapes = [(2, 3, seq, qk_dim), (2, 3, seq, qk_dim), (2, 3, seq, v_dim)]
-    q, k, v = (torch.randn(s, generator=generator, dtype=torch.float64, requires_grad=True) for s in shapes)
-    grad_out = torch.randn(2, 3, seq, v_dim, generator=generator, dtype=torch.float64)
-    results = []
-    for attention in (attend, reference_attention):
-        out = attention(q, k, v, scale=qk_dim**-0.5)
-        results.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
-    assert results[0][0].shape == (2, 3, seq, v_dim)
-    for got, expected in zip(*results):
-        torch.testing.assert_close(got, expected)
-
-
-@pytest.mark.parametrize("attend", [causal_attention, partial(blocked_attention, block_rows=4)])
-def test_bf16_autocast_attention_matches_plain_attention_forward_and_grads(attend):
-    generator = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(2, 3, 10, 12, generator=generator, requires_grad=True) for _ in range(2))
-    v = torch.randn(2, 3, 10, 8, generator=generator, requires_grad=True)
-    grad_out = torch.randn(2, 3, 10, 8, generator=generator)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = attend(q, k, v, scale=12**-0.5)
-    got = (out, *torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)))
-    expected = reference_attention(q, k, v, scale=12**-0.5)
-    expected = (expected, *torch.autograd.grad(expected, (q, k, v), grad_out))
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a.float(), b, atol=0.05, rtol=0.05)
-
-
-def test_padding_keeps_the_fused_attention_kernel():
-    """The point of the padding: with MLA's head dims SDPA would take its slow math path."""
-    q, k, v = torch.randn(1, 2, 16, 48), torch.randn(1, 2, 16, 48), torch.randn(1, 2, 16, 32)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        padded_sdpa(q, k, v, scale=48**-0.5)
-    ops = {event.key for event in prof.key_averages()}
-    assert any("flash_attention" in op for op in ops), sorted(op for op in ops if "attention" in op)
-    assert "aten::_scaled_dot_product_attention_math" not in ops
-
-
-def test_mla_on_cpu_scores_only_the_causal_blocks(monkeypatch):
-    """On CPU the model takes the blocked path (faster there than the fused kernel)."""
-    calls = []
-    monkeypatch.setattr(deepseek, "blocked_attention", lambda *a, **kw: calls.append(1) or blocked_attention(*a, **kw))
-    tiny_model()(torch.randint(0, 256, (1, 16)))
-    assert len(calls) == tiny_model().config.n_layers
 
 
 @pytest.mark.parametrize("q_lora_rank", [0, 24])
@@ -349,7 +190,7 @@ def test_mla_shapes(q_lora_rank):
 def make_moe(**overrides) -> MoE:
     torch.manual_seed(0)
     settings = dict(n_routed_experts=8, n_activated_experts=3) | overrides
-    moe = MoE(load_preset("tiny", **settings))
+    moe = MoE(load_preset("tiny", **settings), REFERENCE)
     for weight in (moe.gate.weight, moe.w13, moe.w2):
         torch.nn.init.normal_(weight, std=0.3)
     return moe
@@ -391,8 +232,10 @@ def test_expert_bias_changes_the_choice_but_not_the_combine_weights():
     torch.testing.assert_close(weights[0], scores[[3, 0]])
 
 
-def test_grouped_dispatch_equals_a_per_token_reference():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_grouped_dispatch_equals_a_per_token_reference(kernels):
     moe = make_moe(score_func="sigmoid", norm_topk_prob=True, route_scale=2.5).eval()
+    moe.routed_experts = kernels_for(kernels).routed_experts
     moe.expert_bias.copy_(torch.randn(8) * 0.1)
     x = torch.randn(3, 7, moe.gate.in_features)
     weights, indices = moe.route(x.reshape(-1, x.shape[-1]))
@@ -423,9 +266,9 @@ def test_grouped_mm_experts_match_the_loop_forward_and_grads(precision):
     x = torch.randn(int(counts.sum()), moe.gate.in_features, requires_grad=True)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     results = []
-    for grouped in (True, False):
+    for experts in (grouped_swiglu, swiglu_per_expert):
         with autocast:
-            out = moe.experts(x, counts, grouped=grouped)
+            out = experts(x, counts, moe.w13, moe.w2)
         grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
         results.append((out, *torch.autograd.grad(out, (x, moe.w13, moe.w2), grad_out)))
     assert results[0][0].dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
@@ -458,19 +301,18 @@ def test_training_forward_counts_tokens_per_expert_and_eval_does_not():
     assert moe.tokens_per_expert.sum() == 2 * 10 * model.config.n_activated_experts
 
 
-def test_update_expert_bias_steps_toward_balance_and_clears_counts():
+def test_balance_experts_steps_toward_balance_reports_the_imbalance_and_clears_counts():
     model = tiny_model(bias_update_rate=0.01)
     moe = model.layers[1].ffn
     moe.expert_bias.copy_(torch.tensor([0.5, 0.0, 0.0, 0.0]))
     moe.tokens_per_expert.copy_(torch.tensor([10.0, 0.0, 5.0, 5.0]))
-    assert model.expert_load_imbalance() == {1: 2.0}
-    model.update_expert_bias()
+    assert model.balance_experts() == 2.0  # max 10 over mean 5
     # Mean load is 5: expert 0 is overloaded, expert 1 underloaded, 2 and 3 exactly even.
     torch.testing.assert_close(moe.expert_bias, torch.tensor([0.49, 0.01, 0.0, 0.0]))
     assert moe.tokens_per_expert.sum() == 0
 
 
-def test_update_expert_bias_uses_the_all_reduced_load():
+def test_balance_experts_uses_the_all_reduced_load():
     model = tiny_model(bias_update_rate=0.01)
     moe = model.layers[1].ffn
     moe.tokens_per_expert.copy_(torch.tensor([6.0, 2.0, 4.0, 4.0]))
@@ -479,9 +321,10 @@ def test_update_expert_bias_uses_the_all_reduced_load():
     def all_reduce(tensor):  # as if a second rank saw `other_rank`
         tensor += other_rank
 
-    model.update_expert_bias(all_reduce=all_reduce)
+    imbalance = model.balance_experts(all_reduce=all_reduce)
     # Global load [6, 10, 8, 8], mean 8: locally expert 1 looked underloaded, globally it is not.
     torch.testing.assert_close(moe.expert_bias, torch.tensor([0.01, -0.01, 0.0, 0.0]))
+    assert imbalance == pytest.approx(10 / 8)  # the global load's, not this rank's 6 / 4
 
 
 # DeepSeek's published sizes, in billions: (total, active). Our totals hit them almost
@@ -567,7 +410,7 @@ def test_tiny_model_overfits_one_batch():
             for name, param in model.named_parameters():
                 assert param.grad is not None and param.grad.abs().sum() > 0, name
         optimizer.step()
-        model.update_expert_bias()
+        model.balance_experts()
         losses.append(loss.item())
         if losses[-1] < 0.2 * losses[0]:
             break
@@ -585,6 +428,7 @@ def test_tiny_model_overfits_one_batch():
         ("init_std", 0.0),
         ("q_lora_rank", -1),
         ("qk_rope_head_dim", 7),
+        ("kernels", "fast"),
     ],
 )
 def test_config_validation_names_the_field(field, value):

@@ -162,15 +162,15 @@ def _first_step_grads(trainer):
     trainer.optimizer.step = lambda: None
     trainer.optimizer.zero_grad = lambda set_to_none=True: None
     loss = trainer.train_step()["loss"]
-    return loss, torch.cat([p.grad.flatten() for p in trainer.module.parameters()])
+    return loss, torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
 
 
 def test_activation_checkpointing_gives_the_same_gradients(tmp_path, text_corpus):
     plain = _first_step_grads(tiny_trainer(tmp_path / "a", text_corpus, "train.grad_clip=0"))
     recomputed = tiny_trainer(tmp_path / "b", text_corpus, "train.grad_clip=0", "activation_checkpointing=true")
-    calls, block = [], recomputed.module.layers[0]
-    original = block.forward
-    block.forward = lambda *args: calls.append(1) or original(*args)  # hooks are muted in recompute
+    calls, attn = [], recomputed.model.layers[0].attn
+    original = attn.forward
+    attn.forward = lambda *args: calls.append(1) or original(*args)  # hooks are muted in recompute
     loss, grads = _first_step_grads(recomputed)
     assert len(calls) == 2  # once forward, once recomputed during backward
     assert loss == pytest.approx(plain[0], rel=1e-6)
@@ -181,7 +181,7 @@ def test_compiled_blocks_match_eager(tmp_path, text_corpus):
     """torch.compile (inductor, C++ on CPU) of each block; about a minute of compiling on 2 cores."""
     eager = _first_step_grads(tiny_trainer(tmp_path / "a", text_corpus, "train.grad_clip=0"))
     trainer = tiny_trainer(tmp_path / "b", text_corpus, "train.grad_clip=0", "compile=true")
-    assert all(block._compiled_call_impl is not None for block in trainer.module.layers)
+    assert all(block._compiled_call_impl is not None for block in trainer.model.layers)
     compiled = _first_step_grads(trainer)
     assert compiled[0] == pytest.approx(eager[0], rel=1e-4)
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-3, atol=1e-5)

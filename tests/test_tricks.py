@@ -1,10 +1,15 @@
 """The tricks of TRICKS.md: their invariants, one process and real gloo processes."""
 
+import dataclasses
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from ciuic_train.data import WindowSampler
 from ciuic_train.errors import UserError
@@ -12,16 +17,18 @@ from ciuic_train.model import Transformer
 from ciuic_train.optim import WarmupCosine
 from ciuic_train.parallel import param_checksum
 from ciuic_train.trainer import Trainer
-from ciuic_train.tricks import check_tricks, registry
+from ciuic_train.tricks import CommHook, check_tricks, registry
 from ciuic_train.tricks.async_smoothed_loss import AsyncSmoothedLoss
-from ciuic_train.tricks.base import Trick, TrickContext
+from ciuic_train.tricks.base import SEAMS, Trick, TrickContext, TrickSet
 from ciuic_train.tricks.chaotic_sampler import ChaoticSampler
 from ciuic_train.tricks.constellation_init import ConstellationInit
+from ciuic_train.tricks.delayed_sync import DelayedSync
 from ciuic_train.tricks.quantum_save import QuantumSave
 from ciuic_train.tricks.time_folded_accum import TimeFoldedAccum
 from ciuic_train.tricks.warm_restart import WarmRestart
 from conftest import compose_config, run_cli, torchrun
 
+REPO = Path(__file__).parents[1]
 ALL_TRICKS = sorted(registry())
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0"]
 
@@ -40,9 +47,62 @@ def test_every_trick_has_a_config_file_and_a_one_line_summary():
         "async_smoothed_loss", "chaotic_sampler", "constellation_init", "delayed_sync",
         "quantum_save", "time_folded_accum", "warm_restart",
     ]
+    assert sorted(p.stem for p in (REPO / "conf" / "trick").glob("*.yaml")) == ALL_TRICKS
     for name, cls in registry().items():
         assert cls.summary and "\n" not in cls.summary
         check_tricks({name: {}})
+
+
+def typed(value):
+    """A value with the type of every scalar in it, so that 10 and 10.0 differ."""
+    if isinstance(value, dict):
+        return {k: typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [typed(v) for v in value]
+    return type(value).__name__, value
+
+
+@pytest.mark.parametrize("name", ALL_TRICKS)
+def test_a_trick_config_file_sets_exactly_its_params_defaults(name):
+    """Hydra composes the YAML, while --list-tricks and parameter checks read `Params`:
+    the defaults are written in both places, so they must agree field for field."""
+    path = REPO / "conf" / "trick" / f"{name}.yaml"
+    assert path.read_text().splitlines()[0] == f"# @package trick.{name}"
+    in_yaml = OmegaConf.to_container(OmegaConf.load(path))
+    assert typed(in_yaml) == typed(dataclasses.asdict(registry()[name].Params()))
+
+
+def test_a_trick_set_binds_each_seam_to_the_trick_claiming_it_else_to_the_default():
+    assert not any(seam in vars(TrickSet) for seam in SEAMS)  # no forwarding method per seam
+    tricks = [cls(ctx()) for cls in registry().values()]
+    combined = TrickSet(tricks, ctx())
+    for trick in tricks:
+        for seam in trick.claimed_seams():
+            bound = getattr(combined, seam)
+            assert bound.__self__ is trick and bound.__func__ is getattr(type(trick), seam)
+    restart = WarmRestart(ctx())
+    one = TrickSet([restart], ctx())
+    for seam in SEAMS:
+        owner, method = (restart, WarmRestart.lr_at) if seam == "lr_at" else (one, getattr(Trick, seam))
+        assert getattr(one, seam).__self__ is owner and getattr(one, seam).__func__ is method
+    assert one.should_save(4, 2) and one.comm_hook() is None
+
+
+def test_comm_hook_has_one_shape_on_a_trick_and_on_the_set():
+    trick = DelayedSync(ctx())
+    hook = trick.comm_hook()
+    assert isinstance(hook, CommHook) and (hook.trick, hook.state) == ("delayed_sync", None) and callable(hook.hook)
+    assert TrickSet([trick], ctx()).comm_hook() == hook
+
+
+def test_the_tricks_package_imports_without_torch():
+    """The CLI lists and checks tricks before any process starts; importing torch takes seconds."""
+    code = (
+        "import sys, ciuic_train.tricks as t; t.check_tricks({n: {} for n in t.registry()}); "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_the_seven_tricks_claim_distinct_seams_so_all_combine():
@@ -242,7 +302,7 @@ def test_a_trick_switched_off_by_its_parameters_is_bitwise_the_baseline(tmp_path
 def test_a_trick_leaves_init_and_data_order_alone_unless_that_is_its_job(tmp_path, text_corpus, name):
     baseline = trainer_for(tmp_path / "b", text_corpus)
     trainer = trainer_for(tmp_path / "t", text_corpus, f"+trick={name}")
-    same_init = param_checksum(trainer.module) == param_checksum(baseline.module)
+    same_init = param_checksum(trainer.model) == param_checksum(baseline.model)
     same_order = torch.equal(trainer.sampler.next_indices(64), baseline.sampler.next_indices(64))
     assert same_init == (name != "constellation_init")
     assert same_order == (name != "chaotic_sampler")

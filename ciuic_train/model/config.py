@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+KERNEL_CHOICES = ("auto", "reference")
+# Fields that choose how the model is computed, not what it computes: presets leave them
+# at their defaults, and a checkpoint resumes under any value of them.
+IMPLEMENTATION_FIELDS = ("kernels",)
 
 
 @dataclass
@@ -42,6 +46,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     tie_embeddings: bool = False
+    # auto: the fast paths of ciuic_train/model/kernels/ where they serve the device;
+    # reference: the plain formulas of model/deepseek.py everywhere (same results).
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         positive = (
@@ -68,6 +75,10 @@ class ModelConfig:
             raise ValueError(
                 f"model.n_activated_experts={self.n_activated_experts} must be at most "
                 f"n_routed_experts={self.n_routed_experts}"
+            )
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(
+                f"model.kernels={self.kernels!r} is not one of: {', '.join(KERNEL_CHOICES)}"
             )
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(

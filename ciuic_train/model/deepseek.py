@@ -1,12 +1,15 @@
-"""A DeepSeek-V2/V3 style decoder: Multi-head Latent Attention plus DeepSeekMoE.
+"""A DeepSeek-V2/V3 style decoder: Multi-head Latent Attention plus DeepSeekMoE, in plain PyTorch.
 
-Read top to bottom: RMSNorm, RoPE, the attention kernel and MLA, the dense FFN, the
-grouped-matmul helpers and the MoE, the block, the loss, the model, then parameter and
-FLOP counting and sampling. The model returns logits, or given targets the cross-entropy,
-computed in chunks of tokens so the whole logits tensor is never built. Where autograd's
-graph of a formula costs passes over memory that a written-out backward saves (RMSNorm,
-blocked attention, the loss), the module has a `torch.autograd.Function`; each is tested
-against the plain formula, forward and gradients.
+Read top to bottom: RMSNorm, RoPE, causal attention and MLA, the dense SwiGLU, the MoE
+(routing, then the routed experts as one grouped matmul per projection), the block, the
+loss and the model, then parameter and FLOP counting and sampling.
+
+Most of a training step's time goes to four computations: the norms, the attention, the
+routed experts and the loss. Each is one plain function here (`rms_norm`,
+`causal_attention`, `grouped_swiglu`, `lm_cross_entropy`), gathered in `REFERENCE`.
+`model.kernels=auto` (the default) swaps in the fast versions from
+`ciuic_train/model/kernels/` where they serve the device; `model.kernels=reference` runs
+these formulas everywhere. Tests hold the two to the same results, forward and gradients.
 
 Weight decay rule for the trainer: decay parameters with ndim >= 2 except
 `tok_embeddings.weight`. That excludes norms and keeps matrices, including the stacked
@@ -19,65 +22,58 @@ parameters and buffers.
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.torch_version import TorchVersion
-from torch.utils.checkpoint import checkpoint
 
 from ciuic_train.model.config import ModelConfig
 
-# Most bytes of fp32 logits per loss chunk: the lm head and the cross-entropy run over this
-# many tokens at a time (256 at vocab 4096), so only one chunk's logits exist at once and none
-# are kept for backward. The loss alone at model=bench fp32, side by side: 256-token chunks ran
-# 8% faster than 128 and 2% faster than 512.
-LOSS_CHUNK_BYTES = 4 * 2**20
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # targets with this value add nothing to the loss, as in F.cross_entropy
 
 
-def loss_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per loss chunk: as many as keep its fp32 logits within `LOSS_CHUNK_BYTES`."""
-    return max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+@dataclass(frozen=True)
+class Kernels:
+    """The functions a model computes its four costliest parts with (see the module docstring)."""
+
+    rms_norm: Callable  # (x, weight, eps) -> x normalised
+    attention: Callable  # (q, k, v, scale) -> causal attention
+    routed_experts: Callable  # (expert-sorted x, counts per expert, w13, w2) -> SwiGLU per expert
+    loss: Callable  # (h [N, dim], lm head weight, targets [N], reduction) -> fp32 cross-entropy
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's matmuls run in: autocast's when it is on, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+# --- RMSNorm ------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, in fp32 or wider, returned in x's dtype."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, normalised in fp32 so bf16 activations don't lose the mean-square."""
+    """Normalised in fp32 so bf16 activations don't lose the mean square."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernel: Callable = rms_norm):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            return RMSNormFunction.apply(x, self.weight, self.eps)
+        return self.kernel(x, self.weight, self.eps)
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """RMSNorm with its backward written out: 10 passes over x where autograd's graph of the
-    same formula makes about 14 (model=bench fp32: forward and backward 3.05 -> 1.85 ms)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        inv_rms = torch.linalg.vecdot(x32, x32).div_(x.shape[-1]).add_(eps).rsqrt_().unsqueeze(-1)
-        ctx.save_for_backward(x, weight, inv_rms)
-        return (x32 * inv_rms).mul_(weight).to(x.dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        x, weight, inv_rms = ctx.saved_tensors
-        normed, grad = x.to(inv_rms.dtype) * inv_rms, grad.to(inv_rms.dtype)
-        grad_weight = (grad * normed).flatten(0, -2).sum(0)
-        grad_normed = grad * weight
-        # d normed / dx = (I - normed normed^T / n) * inv_rms, applied row by row.
-        projection = torch.linalg.vecdot(grad_normed, normed).div_(-x.shape[-1]).unsqueeze(-1)
-        grad_x = torch.addcmul(grad_normed, normed, projection).mul_(inv_rms)
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+# --- RoPE ---------------------------------------------------------------------------------
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
@@ -91,131 +87,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x[..., T, d] by position, pairing adjacent channels (2i, 2i+1).
 
     Interleaved pairs are the convention of DeepSeek's released inference code, so weights
-    from their checkpoints would load without permuting the rope channels. Each pair is
-    rotated as one complex product: a quarter of the time of the four real products,
-    forward and backward.
+    from their checkpoints load without permuting the rope channels. Each pair (a, b) is
+    the complex number a + ib, turned by multiplying with cos + i sin.
     """
     # contiguous: a complex view needs even offsets and strides, which slices at odd widths lack.
-    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))  # [..., T, d/2]
     return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2).type_as(x)
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype x's matmuls run in: autocast's when it is on, else x's own."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+# --- Multi-head latent attention ----------------------------------------------------------
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention by the fastest route measured on each device.
-
-    On CPU, `blocked_attention` beats the fused kernel in fp32 and bf16 alike (model=bench:
-    500 vs 531 ms per fp32 step, measured side by side); elsewhere the fused kernel.
-    """
-    if q.device.type == "cpu":
-        return blocked_attention(q, k, v, scale)
-    return padded_sdpa(q, k, v, scale)
-
-
-def padded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Fused SDPA, which wants one head dim for q, k and v.
-
-    MLA's 48 vs 32 would send it to its unfused math path. Zero padding is exact: zero
-    q/k columns add nothing to a score, zero v columns give zero output columns, cut off
-    after.
-    """
-    qk_dim, v_dim = q.shape[-1], v.shape[-1]
-    if v_dim < qk_dim:
-        v = F.pad(v, (0, qk_dim - v_dim))
-    elif qk_dim < v_dim:
-        q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :v_dim]
-
-
-def blocked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_rows: int = 64
-) -> torch.Tensor:
-    """Causal attention spelled out, `block_rows` queries at a time (see `BlockedCausalAttention`).
-
-    64 rows measured fastest at model=bench (forward and backward alone: 13% faster than
-    128-row blocks, 32 rows the same). Under autocast the matmuls run in autocast's dtype
-    around an fp32 softmax, autocast's usual numerics for attention.
-    """
-    batch, heads = q.shape[:2]
-    dtype = compute_dtype(q)
-    q, k, v = (t.to(dtype).flatten(0, 1).contiguous() for t in (q, k, v))
-    with torch.autocast(q.device.type, enabled=False):
-        out = BlockedCausalAttention.apply(q, k, v, scale, block_rows)
-    return out.unflatten(0, (batch, heads))
-
-
-def softmax_fp32(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """softmax of x in fp32 or wider; computed over x itself when x already is.
-
-    Taking no second buffer the size of x keeps what the CPU cache holds smaller: the
-    attention scores and the loss's logits are the largest activations of a step.
-    """
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    if x.dtype != dtype:
-        return torch.softmax(x, dim, dtype=dtype)
-    return torch.ops.aten._softmax.out(x, dim, False, out=x)
-
-
-class BlockedCausalAttention(torch.autograd.Function):
-    """softmax(q k^T * scale, causal) v for q, k [N, S, d_qk] and v [N, S, d_v], by query blocks.
-
-    Block i scores only the keys up to its own last query, so the fully masked part of the
-    score matrix (3/8 of it for four blocks) is never computed; the fused CPU kernel
-    computes all of it at these lengths. The backward is written out so that each block's
-    gradients add straight into whole q, k, v gradients, instead of autograd's zero-filled
-    copy per slice and a sum over blocks (fwd+bwd ~3% faster at model=bench). It keeps what
-    autograd would: the inputs and each block's fp32 probabilities.
-    """
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, size: int) -> torch.Tensor:
-        seq = q.shape[1]
-        out, probs = [], []
-        empty = q.new_empty(())
-        # Row r of a block is query start + r, which may see keys 0 .. start + r: only the
-        # block's diagonal square of keys start .. end needs a mask, the same for every block
-        # (a short last block takes its top-left corner).
-        mask = torch.full((size, size), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-        for start in range(0, seq, size):
-            end = min(start + size, seq)
-            scores = torch.baddbmm(empty, q[:, start:end], k[:, :end].transpose(1, 2), beta=0, alpha=scale)
-            scores[:, :, start:].add_(mask[: end - start, : end - start])
-            p = softmax_fp32(scores, dim=-1)
-            out.append(torch.bmm(p.to(v.dtype), v[:, :end]))
-            probs.append(p)
-        ctx.save_for_backward(q, k, v, *probs)
-        ctx.scale, ctx.size = scale, size
-        return torch.cat(out, dim=1)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, *probs = ctx.saved_tensors
-        scale, size = ctx.scale, ctx.size
-        grad_q, grad_k, grad_v = [], None, None
-        # Last block first: it spans every key, so its products are whole grad_k and grad_v,
-        # and the earlier, shorter blocks add into their prefixes.
-        for i in reversed(range(len(probs))):
-            start, p = i * size, probs[i]
-            end = start + p.shape[1]
-            d_out, p_low = grad_out[:, start:end], p.to(v.dtype)
-            # The score gradients overwrite the probability gradients' buffer.
-            d_probs = torch.bmm(d_out, v[:, :end].transpose(1, 2)).to(p.dtype)
-            d_scores = torch.ops.aten._softmax_backward_data.out(d_probs, p, -1, p.dtype, grad_input=d_probs)
-            d_scores = d_scores.to(q.dtype)
-            grad_q.append(torch.bmm(d_scores, k[:, :end]).mul_(scale))
-            if grad_k is None:
-                grad_v = torch.bmm(p_low.transpose(1, 2), d_out)
-                grad_k = torch.bmm(d_scores.transpose(1, 2), q[:, start:end]).mul_(scale)
-            else:
-                grad_v[:, :end] += torch.bmm(p_low.transpose(1, 2), d_out)
-                grad_k[:, :end] += torch.bmm(d_scores.transpose(1, 2), q[:, start:end]).mul_(scale)
-        return torch.cat(grad_q[::-1], dim=1), grad_k, grad_v, None, None
+    """softmax(q k^T * scale, causally masked) v for q, k [B, H, T, d_qk] and v [B, H, T, d_v]."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -226,7 +111,7 @@ class MultiHeadLatentAttention(nn.Module):
     query/key head, because RoPE cannot be folded through the latent up-projection.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.qk_nope_head_dim = cfg.qk_nope_head_dim
@@ -234,38 +119,42 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         self.v_head_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
+        self.attention = kernels.attention
         q_width = cfg.n_heads * self.qk_head_dim
         self.compress_q = cfg.q_lora_rank > 0
         if self.compress_q:
             self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, kernels.rms_norm)
             self.wq_b = nn.Linear(cfg.q_lora_rank, q_width, bias=False)
         else:
             self.wq = nn.Linear(cfg.dim, q_width, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, kernels.rms_norm)
         self.wkv_b = nn.Linear(
             cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
         )
         self.wo = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        batch, seq, _ = x.shape  # x: [B, T, dim]
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.compress_q else self.wq(x)
-        q = q.view(batch, seq, self.n_heads, self.qk_head_dim).transpose(1, 2)
+        q = q.view(batch, seq, self.n_heads, self.qk_head_dim).transpose(1, 2)  # [B, H, T, d_qk]
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
 
+        # The latent [B, T, kv_lora_rank] and one rope key per position [B, T, d_rope].
         kv_latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
-        # One rope key per position, shared by every head.
-        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)  # [B, 1, T, d_rope], shared by every head
         kv = self.wkv_b(self.kv_norm(kv_latent))
         kv = kv.view(batch, seq, self.n_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)  # [B, H, T, d_qk]
 
-        y = causal_attention(q, k, v, scale=self.qk_head_dim**-0.5)
+        y = self.attention(q, k, v, self.qk_head_dim**-0.5)  # [B, H, T, d_v]
         return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.v_head_dim))
+
+
+# --- Feed-forward: dense SwiGLU and DeepSeekMoE -------------------------------------------
 
 
 class SwiGLU(nn.Module):
@@ -293,27 +182,37 @@ def grouped_mm_supported(x: torch.Tensor, dtype: torch.dtype) -> bool:
     return False
 
 
-def pad_groups(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Space expert-sorted rows x so each expert's group starts at a multiple of 64 rows.
+def swiglu_grouped_mm(x: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Group g of x's rows (ends[g-1]:ends[g], int32 ends) through expert g's SwiGLU.
 
-    Returns (padded x, where each row of x went or None if unpadded, int32 group ends for
-    `_grouped_mm`).
-    Only for bf16 (or fp16) on CPU: those matmuls go through oneDNN, which builds and
-    caches a kernel per shape; with a new row count per expert per step it rebuilt
-    kernels all the time (a seventh of the bf16 step) and its caches grew by hundreds of
-    MB in a few steps. Multiples of 64 leave a handful of shapes for ~6% of zero rows. The
-    buffer has a fixed size, so no host sync; rows past the last end are never read. fp32
-    matmuls keep no such cache, and there the zero rows would only cost time.
+    x [M, dim], w13 [E, 2 * hidden, dim], w2 [E, dim, hidden] -> [M, dim]; one grouped
+    matmul per projection.
     """
-    if x.device.type != "cpu" or x.dtype == torch.float32:
-        return x, None, counts.cumsum(0, dtype=torch.int32)
-    align = 64
-    padded = (counts + align - 1) // align * align
-    ends = padded.cumsum(0)
-    shift = (ends - padded) - (counts.cumsum(0) - counts)
-    rows = torch.arange(len(x), device=x.device) + shift.repeat_interleave(counts, output_size=len(x))
-    buffer = x.new_zeros(len(x) + len(counts) * (align - 1), x.shape[-1])
-    return buffer.index_copy(0, rows, x), rows, ends.to(torch.int32)
+    gate, up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends).chunk(2, dim=-1)  # [M, hidden] each
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=ends)
+
+
+def swiglu_per_expert(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The same as `swiglu_grouped_mm`, one expert at a time, for counts[e] rows of expert e."""
+    out = []
+    for e, rows in enumerate(x.split(counts.tolist())):  # tolist() waits for the device
+        gate, up = (rows @ w13[e].T).chunk(2, dim=-1)
+        out.append((F.silu(gate) * up) @ w2[e].T)
+    return torch.cat(out)
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Each routed expert's SwiGLU over its rows of expert-sorted tokens x [M, dim].
+
+    Expert e takes counts[e] consecutive rows. One grouped matmul per projection where
+    `torch._grouped_mm` serves this device and dtype, else a loop over experts (not tokens).
+    `_grouped_mm` ignores autocast, so its operands are cast to autocast's dtype here.
+    """
+    dtype = compute_dtype(x)
+    if not grouped_mm_supported(x, dtype):
+        return swiglu_per_expert(x, counts, w13, w2)
+    ends = counts.cumsum(0, dtype=torch.int32)
+    return swiglu_grouped_mm(x.to(dtype), ends, w13.to(dtype), w2.to(dtype))
 
 
 class MoE(nn.Module):
@@ -322,12 +221,13 @@ class MoE(nn.Module):
     Balance comes from `expert_bias` (DeepSeek-V3's auxiliary-loss-free scheme): it is
     added to the scores only to choose experts, so it steers load without distorting
     the gate weights that mix the chosen experts' outputs. Training forwards count the
-    tokens each expert received in `tokens_per_expert`; `Transformer.update_expert_bias`
+    tokens each expert received in `tokens_per_expert`; `Transformer.balance_experts`
     turns those counts into a bias step. (Activation checkpointing re-runs the forward
-    and would count every token twice; the sign-based step does not mind.)
+    and counts every token twice; neither the sign-based step nor the imbalance ratio
+    minds.)
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
         self.n_routed_experts = cfg.n_routed_experts
         self.n_activated_experts = cfg.n_activated_experts
@@ -335,6 +235,7 @@ class MoE(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.route_scale = cfg.route_scale
         self.bias_update_rate = cfg.bias_update_rate
+        self.routed_experts = kernels.routed_experts
         self.gate = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
         # Stacked over experts for one grouped matmul; w13 holds each expert's gate (w1)
         # and up (w3) projections as one [2 * hidden, dim] matrix, so both take one product.
@@ -362,51 +263,24 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.route_scale, indices
 
-    def experts(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
-        """Run tokens x[M, dim], sorted by expert with counts[e] rows for expert e.
-
-        One grouped matmul per projection where `torch._grouped_mm` serves this device and
-        dtype (`grouped=None` decides; tests force either path), else a loop over experts.
-        `_grouped_mm` ignores autocast, so its inputs are cast to the autocast dtype here.
-        """
-        dtype = compute_dtype(x)
-        if grouped is None:
-            grouped = grouped_mm_supported(x, dtype)
-        if grouped:
-            x, rows, offsets = pad_groups(x.to(dtype), counts)
-            w13, w2 = self.w13.to(dtype).transpose(-2, -1), self.w2.to(dtype).transpose(-2, -1)
-            gate, up = torch._grouped_mm(x, w13, offs=offsets).chunk(2, dim=-1)
-            out = torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets)
-            return out if rows is None else out.index_select(0, rows)
-        # tolist() waits for the device; the grouped matmul above does not.
-        out = []
-        for e, tokens in enumerate(x.split(counts.tolist())):
-            gate, up = (tokens @ self.w13[e].T).chunk(2, dim=-1)
-            out.append((F.silu(gate) * up) @ self.w2[e].T)
-        return torch.cat(out)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, indices = self.route(x)
+        x = x.reshape(-1, shape[-1])  # [N, dim]
+        weights, indices = self.route(x)  # [N, k] each
 
-        # Sort the (token, slot) assignments by expert so each expert's tokens form one
-        # contiguous slice: a grouped matmul (or a loop over experts, not tokens) serves them.
+        # Sort the N * k (token, expert) assignments by expert, so each expert's tokens form
+        # one contiguous slice for the grouped matmul.
         expert_of_assignment = indices.flatten()
         order = expert_of_assignment.argsort(stable=True)
-        token_of_assignment = order // self.n_activated_experts
-        counts = torch.bincount(expert_of_assignment, minlength=self.n_routed_experts)
+        token_of_assignment = order // self.n_activated_experts  # [N * k]
+        counts = torch.bincount(expert_of_assignment, minlength=self.n_routed_experts)  # [E]
         if self.training:
             self.tokens_per_expert += counts
-        run = self.experts
-        if torch.compiler.is_compiling() and compute_dtype(x) != torch.bfloat16:
-            run = partial(experts_between_graphs, self)
-        expert_out = run(x.index_select(0, token_of_assignment), counts)
-        expert_out = expert_out * weights.flatten()[order].unsqueeze(-1)
-        # The routed outputs add into the shared experts' output in place (its matmul keeps
-        # no output for backward): no zero-filled buffer and no separate sum.
+        routed = self.routed_experts(x.index_select(0, token_of_assignment), counts, self.w13, self.w2)
+        routed = routed * weights.flatten()[order].unsqueeze(-1)  # [N * k, dim]
+        # The routed outputs add into the shared experts' output in place.
         y = self.shared_experts(x).to(x.dtype) if self.shared_experts is not None else torch.zeros_like(x)
-        return y.index_add_(0, token_of_assignment, expert_out.type_as(x)).view(shape)
+        return y.index_add_(0, token_of_assignment, routed.type_as(x)).view(shape)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:
@@ -414,97 +288,37 @@ class MoE(nn.Module):
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
 
 
-@torch.compiler.disable
-def experts_between_graphs(moe: MoE, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """`moe.experts` run eagerly inside a compiled block, where its dtype cannot be traced.
-
-    `_grouped_mm`'s meta function takes only bf16, so a compiled fp32 block would otherwise
-    fall back to the loop over experts; run here, between the block's graphs, the grouped
-    kernel serves fp32 as in eager mode (model=bench fp32: compiled blocks had been about as
-    fast as eager ones, now 3-5% faster in one process).
-    """
-    return moe.experts(x, counts)
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, use_moe: bool):
+    def __init__(self, cfg: ModelConfig, use_moe: bool, kernels: Kernels):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = MultiHeadLatentAttention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = MoE(cfg) if use_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
+        self.attn = MultiHeadLatentAttention(cfg, kernels)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
+        self.ffn = MoE(cfg, kernels) if use_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.ffn(self.ffn_norm(x))
 
 
-class LinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of `h @ weight.T` against targets, its gradients taken in forward.
+# --- The loss and the model ---------------------------------------------------------------
 
-    The loss is a scalar, so its gradients with respect to h and the weight are known as
-    soon as the forward has seen a chunk: softmax minus one-hot, times the other operand.
-    Taking them there, chunk by chunk, means no logits or log-probabilities are kept for
-    backward (32 MiB fp32 for model=bench, far more for large vocabularies) and the
-    probabilities are walked once, by one softmax. Backward only scales the gradients by the
-    incoming one, which is exact for any function of the loss. Matmuls run in autocast's
-    dtype, the softmax in fp32, and the weight's gradient accumulates in fp32.
-    """
 
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-        dtype = compute_dtype(h)
-        weight_c = weight.to(dtype)
-        with_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(h) if with_grads else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
-        ignored = targets == IGNORE_INDEX
-        any_ignored = bool(ignored.any())
-        targets = targets.masked_fill(ignored, 0) if any_ignored else targets
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        # One logits buffer serves every chunk: a fresh one per chunk was handed back to the
-        # OS and faulted in again each time (~3,000 page faults per model=bench step).
-        vocab = len(weight)
-        logits_buffer = torch.empty(vocab * min(chunk, len(h)), dtype=torch.float32, device=h.device)
-        for start in range(0, len(h), chunk):
-            h_c, t_c = h[start : start + chunk].to(dtype), targets[start : start + chunk]
-            cols = torch.arange(len(t_c), device=h.device)
-            # Logits transposed, [vocab, chunk]: weight @ h^T runs faster than h @ weight^T on
-            # CPU (the loss alone: 1-9% faster), and the gradient matmuls take them as they lie.
-            logits = logits_buffer[: vocab * len(t_c)].view(vocab, len(t_c))
-            if dtype == torch.float32:
-                torch.mm(weight_c, h_c.T, out=logits)
-            else:
-                logits.copy_(weight_c @ h_c.T)
-            # -log softmax at the target is logsumexp - target logit, and
-            # logsumexp = max logit - log(max probability): that probability is at least
-            # 1/vocab, so unlike the target's it cannot underflow.
-            losses = logits.amax(dim=0) - logits[t_c, cols]
-            probs = softmax_fp32(logits, dim=0)
-            losses -= probs.amax(dim=0).log()
-            if any_ignored:
-                losses.masked_fill_(ignored[start : start + chunk], 0)
-            total += losses.sum()
-            if not with_grads:
-                continue
-            probs[t_c, cols] -= 1
-            if any_ignored:
-                probs.masked_fill_(ignored[start : start + chunk], 0)
-            grad_logits = probs.to(dtype)
-            grad_h[start : start + chunk] = grad_logits.T @ weight_c
-            if dtype == torch.float32:
-                grad_weight.addmm_(grad_logits, h_c)
-            else:
-                grad_weight += grad_logits @ h_c
-        if with_grads:
-            ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
-        return total
+def lm_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Cross-entropy, in fp32, of the logits h @ weight^T [N, vocab] against targets [N]."""
+    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor):
-        grad_h, grad_weight = ctx.saved_tensors
-        return grad_h * grad_loss, grad_weight * grad_loss, None, None
+
+REFERENCE = Kernels(rms_norm, causal_attention, grouped_swiglu, lm_cross_entropy)
+
+
+def kernels_for(choice: str) -> Kernels:
+    """`reference`: the formulas of this file; `auto`: the fast paths of model/kernels/."""
+    if choice == "reference":
+        return REFERENCE
+    from ciuic_train.model.kernels import AUTO  # built on this file's functions, hence imported late
+
+    return AUTO
 
 
 class Transformer(nn.Module):
@@ -517,16 +331,15 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.kernels = kernels_for(cfg.kernels)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(
-            Block(cfg, use_moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers)
+            Block(cfg, use_moe=i >= cfg.n_dense_layers, kernels=self.kernels) for i in range(cfg.n_layers)
         )
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.kernels.rms_norm)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
-        # Recompute each block's activations in backward instead of keeping them (memory for time).
-        self.activation_checkpointing = False
         # Recomputable from the config, so kept out of checkpoints.
         half_rope = cfg.qk_rope_head_dim // 2
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half_rope), persistent=False)
@@ -564,21 +377,15 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, vocab], or with `targets` [B, T] the fp32 cross-entropy ("mean" or "sum").
 
-        The loss goes through forward so that DDP and FSDP see it. It never builds the whole
-        logits tensor: `LinearCrossEntropy` runs the lm head and the loss over chunks of
-        `LOSS_CHUNK_BYTES` of logits. Targets equal to -100 are ignored, as in `F.cross_entropy`.
+        The loss goes through forward so that DDP and FSDP see it. Targets equal to
+        `IGNORE_INDEX` (-100) are ignored, as in `F.cross_entropy`.
         """
-        h = self.norm(self.trunk(idx))
+        h = self.norm(self.trunk(idx))  # [B, T, dim]
         if targets is None:
             return self.lm_head(h)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
-        targets = targets.flatten()
-        chunk = loss_chunk_tokens(self.config.vocab_size)
-        loss = LinearCrossEntropy.apply(h.flatten(0, 1), self.lm_head.weight, targets, chunk)
-        if reduction == "mean":
-            loss = loss / (targets != IGNORE_INDEX).sum()
-        return loss
+        return self.kernels.loss(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction)
 
     def trunk(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> the last block's hidden states [B, T, dim] (before the final norm)."""
@@ -590,45 +397,33 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+            x = layer(x, cos, sin)
         return x
 
     def moe_layers(self) -> dict[int, MoE]:
         return {i: layer.ffn for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)}
 
     @torch.no_grad()
-    def update_expert_bias(
-        self, all_reduce: Callable[[torch.Tensor], object] | None = None
-    ) -> None:
-        """Apply one auxiliary-loss-free balancing step; call after each optimizer step.
+    def balance_experts(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> float:
+        """One auxiliary-loss-free balancing step from the tokens counted since the last call.
 
-        `all_reduce`, if given, must sum a tensor in place across ranks (e.g.
-        `torch.distributed.all_reduce`), so every rank sees the global load and makes the
-        same bias update. All layers' counts go through it as one tensor: one collective.
+        Call after each optimizer step. `all_reduce`, if given, must sum a tensor in place
+        across ranks (e.g. `torch.distributed.all_reduce`), so every rank sees the global
+        load and makes the same bias update; all layers' counts go through it as one
+        tensor. Returns the worst layer's load imbalance, max over mean tokens per expert
+        (1.0 is perfect balance; n_routed_experts / n_activated_experts is total collapse).
         """
         moes = list(self.moe_layers().values())
         if not moes:
-            return
-        loads = torch.stack([moe.tokens_per_expert for moe in moes])
+            return 1.0
+        loads = torch.stack([moe.tokens_per_expert for moe in moes])  # [MoE layers, E]
         if all_reduce is not None:
             all_reduce(loads)
+        imbalance = (loads.amax(dim=1) / loads.mean(dim=1).clamp_min(1)).max().item()
         for moe, load in zip(moes, loads):
             moe.update_bias(load)
             moe.tokens_per_expert.zero_()
-
-    def expert_load_imbalance(self) -> dict[int, float]:
-        """Max over mean tokens per expert, by layer index, since the last bias update.
-
-        1.0 is perfect balance; n_routed_experts / n_activated_experts is total collapse.
-        Read it before `update_expert_bias`, which clears the counts.
-        """
-        return {
-            i: (moe.tokens_per_expert.max() / moe.tokens_per_expert.mean().clamp_min(1)).item()
-            for i, moe in self.moe_layers().items()
-        }
+        return imbalance
 
 
 def count_parameters(model: Transformer) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """Training tricks: each module in this package defines one `Trick` subclass.
 
 The registry is built by importing every module here, so adding a trick is adding one
-file (plus its `conf/trick/<name>.yaml`); nothing else in the trainer changes.
+file (plus its `conf/trick/<name>.yaml`); nothing else in the trainer changes. Where a
+trick hooks in, and how, is in `base.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ciuic_train.errors import UserError
-from ciuic_train.tricks.base import Trick, TrickContext, TrickSet, check_compatible
+from ciuic_train.tricks.base import CommHook, Trick, TrickContext, TrickSet, refuse_seam_conflicts
 
 
 @lru_cache(maxsize=None)
@@ -61,7 +62,7 @@ def check_tricks(selected: Mapping[str, Any]) -> None:
     classes = trick_classes(selected)
     for cls in classes:
         parse_params(cls, selected[cls.name])
-    check_compatible(classes)
+    refuse_seam_conflicts(classes)
 
 
 def build_tricks(selected: Mapping[str, Mapping[str, Any]], ctx: TrickContext) -> TrickSet:
@@ -69,4 +70,4 @@ def build_tricks(selected: Mapping[str, Mapping[str, Any]], ctx: TrickContext) -
     return TrickSet([cls(ctx, parse_params(cls, selected[cls.name])) for cls in trick_classes(selected)], ctx)
 
 
-__all__ = ["Trick", "TrickContext", "TrickSet", "build_tricks", "check_tricks", "registry"]
+__all__ = ["CommHook", "Trick", "TrickContext", "TrickSet", "build_tricks", "check_tricks", "registry"]

@@ -1,24 +1,39 @@
 """async_smoothed_loss (异步平滑): report an EMA of the cross-rank mean loss, train on the raw loss.
 
-The article all-reduced the raw loss every 5 steps, kept an EMA (0.9/0.1) in a buffer and
-from step 10 returned the buffer as the loss: backward then reached a freed graph (or,
-detached, gave zero gradients), `all_reduce` is not autograd-aware, averaging the loss
-value changes no DDP gradient anyway, and the all-reduce blocked. Here the reduction runs
-on a detached copy, launched with `async_op=True` and waited one step later, so it never
-stalls the step; the loss handed to backward is straight-through: its value is the EMA,
-its gradient exactly the raw loss's, so gradients are bit-identical to the baseline and
-no graph outlives its step.
+    ciuic-train +trick=async_smoothed_loss trick.async_smoothed_loss.decay=0.95
+
+Every `every` steps (default 5) a detached copy of the loss is summed across ranks by an
+all-reduce launched with `async_op=True` and waited for one step later, so it never
+stalls a step; the cross-rank mean updates an EMA, `decay * ema + (1 - decay) * mean`
+(`decay` 0.9). From step `start_step` (10) on, the loss the trainer reports is the EMA,
+while the loss handed to backward is straight-through: its value is the EMA, its
+gradient exactly the raw loss's, so gradients are bit-identical to the baseline and no
+graph outlives its step. `start_step` >= `train.max_steps` reports the raw loss
+throughout. At world size 1 it smooths this process's loss, and says so in a warning.
+Logged into `metrics.jsonl`: `async_smoothed_loss/raw_loss` (the last micro-batch's
+loss on rank 0), `async_smoothed_loss/smoothed_loss` (the EMA) and
+`async_smoothed_loss/reductions` (all-reduces launched).
+
+The article's version and its defects
+-------------------------------------
+The article all-reduced the raw loss every 5 steps, kept an EMA (0.9/0.1) in a buffer
+and from step 10 returned the buffer as the loss. Backward then reached a graph that was
+already freed (or, detached, gave zero gradients, so training stopped after step 10);
+`all_reduce` is not autograd-aware; under DDP gradients are averaged already, so
+averaging the loss value changes no gradient; and the all-reduce blocked, nothing was
+async.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from ciuic_train.tricks.base import Trick
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("ciuic_train")
 
@@ -41,6 +56,8 @@ class AsyncSmoothedLoss(Trick):
                 raise ValueError(f"decay={self.decay} must be in [0, 1)")
 
     def __init__(self, ctx, params=None):
+        import torch.distributed as dist
+
         super().__init__(ctx, params)
         self.ema: float | None = None
         self.raw = float("nan")
@@ -67,6 +84,8 @@ class AsyncSmoothedLoss(Trick):
         self._collect(step)
         self.raw = loss.detach().item()
         if step % self.params.every == 0 and step != self._launched_step:
+            import torch.distributed as dist
+
             buffer = loss.detach().clone()
             work = dist.all_reduce(buffer, async_op=True) if self._distributed else None
             self._pending = (work, buffer, step)

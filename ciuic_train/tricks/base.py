@@ -1,14 +1,44 @@
-"""The protocol through which a training trick plugs into the trainer.
+"""Where a training trick hooks into the trainer: the seams, and how to claim one.
 
-A trick is one object that replaces the default behaviour at one or more named seams.
-The base class *is* the baseline: each seam method's body is what the trainer does when
-no trick claims that seam. A trick claims a seam by overriding its method; two tricks
-claiming the same seam are refused when the config is checked, before any process
-starts, so the trainer never has to decide between them and holds no trick-specific
-branches.
+A trick replaces the trainer's default behaviour at one or more *seams*. Each seam is a
+method of `Trick` marked `@seam`, and its body *is* the default, so the trainer holds no
+trick-specific branches: it calls the seams of one `TrickSet`, itself a `Trick` whose
+seams are bound to the selected tricks that claim them. The seams, in the order the
+trainer reaches them:
 
-A trick's parameters are a dataclass `Params` nested in its class; `conf/trick/<name>.yaml`
-gives their defaults and `trick.<name>.<param>=...` overrides them.
+| seam | when the trainer calls it |
+|---|---|
+| `init_weights(model)` | once, after building the model, before wrapping it in DDP/FSDP |
+| `comm_hook()` | once, when `parallelize` wraps the model in DDP: a communication hook to install, or None |
+| `order_indices(share, epoch)` | by the window sampler, on this rank's share of each epoch (and on resume) |
+| `lr_at(step, schedule)` | at the start of every optimizer step |
+| `micro_batch_weights(step, n)` | at the start of every optimizer step, for its `n` micro-batches |
+| `transform_loss(loss, step)` | on every micro-batch, between the forward and the backward |
+| `should_save(step, every)` | after every optimizer step (the last step and a stop signal save anyway) |
+
+Besides the seams every trick may report `metrics()` (logged into `metrics.jsonl` as
+`<trick>/<figure>`), carry resumable state (`state_dict`/`load_state_dict`) and finish
+work in flight in `close()`.
+
+**Claiming a seam**: override its method, same signature. A trick claims the seams it
+overrides (`Trick.claimed_seams`). Two selected tricks that claim the same seam are
+refused when the config is checked (`refuse_seam_conflicts`), before any process
+starts: there is no single right order in which to apply them.
+
+**Adding a trick**: one file `ciuic_train/tricks/<name>.py` with one `Trick` subclass
+(`name`, a one-line `summary`, a `Params` dataclass with the parameters and their
+defaults, and the seams it overrides), plus `conf/trick/<name>.yaml` headed
+`# @package trick.<name>` with the same defaults (a test checks they agree). The registry
+finds the class by importing the package; nothing else changes.
+
+**Adding a seam**: two edits. A `@seam` method on `Trick` whose body is the default
+behaviour, and the call `self.tricks.<seam>(...)` where it applies in
+`ciuic_train/trainer.py`. `SEAMS`, conflict checking and `TrickSet`'s forwarding follow
+from the decorator.
+
+The CLI imports this package to list and check tricks before any process starts, so no
+module here imports torch at import time: torch is imported inside the methods that run
+during training, and type annotations that name it are only read by type checkers.
 """
 
 from __future__ import annotations
@@ -16,21 +46,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
 
 from ciuic_train.errors import UserError
 
-SEAMS = (
-    "init_weights",
-    "order_indices",
-    "lr_at",
-    "transform_loss",
-    "micro_batch_weights",
-    "comm_hook",
-    "should_save",
-)
+if TYPE_CHECKING:
+    import torch
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def seam(method: Method) -> Method:
+    """Mark a `Trick` method as a seam: its body is the default, a trick overriding it claims it."""
+    method.is_seam = True  # type: ignore[attr-defined]
+    return method
 
 
 @dataclass(frozen=True)
@@ -46,6 +75,15 @@ class TrickContext:
     parallel: Any = None
 
 
+@dataclass(frozen=True)
+class CommHook:
+    """A trick's DDP communication hook, for `DistributedDataParallel.register_comm_hook`."""
+
+    trick: str  # the owning trick's name, for messages
+    hook: Callable  # hook(state, bucket) -> Future[Tensor], replacing the bucket's all-reduce
+    state: Any = None
+
+
 def derived_seed(*parts: object) -> int:
     """A 63-bit seed from the run seed and names: a trick's own stream, apart from the global RNG."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
@@ -53,7 +91,7 @@ def derived_seed(*parts: object) -> int:
 
 
 class Trick:
-    """Baseline behaviour at every seam; subclasses override the seams they change."""
+    """The default behaviour at every seam; a trick subclasses it and overrides the seams it changes."""
 
     name: ClassVar[str] = "baseline"
     summary: ClassVar[str] = "no trick: the trainer's default behaviour"
@@ -66,31 +104,38 @@ class Trick:
         self.ctx = ctx
         self.params = params if params is not None else self.Params()
 
-    # --- seams -------------------------------------------------------------------------
+    # --- seams (see the module docstring for when each is called) -----------------------
 
+    @seam
     def init_weights(self, model: torch.nn.Module) -> None:
-        """Change the freshly built model's weights; the baseline keeps the model's own init."""
+        """Change the freshly built model's weights; the default keeps the model's own init."""
 
+    @seam
+    def comm_hook(self) -> CommHook | None:
+        """A DDP communication hook replacing the gradient all-reduce; None keeps DDP's own."""
+        return None
+
+    @seam
     def order_indices(self, share: torch.Tensor, epoch: int) -> torch.Tensor:
         """Reorder this rank's windows for an epoch (must keep the same set of windows)."""
         return share
 
+    @seam
     def lr_at(self, step: int, schedule: Callable[[int], float]) -> float:
         """Learning rate at an optimizer step; `schedule` is the configured warmup-cosine."""
         return schedule(step)
 
-    def transform_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """The loss to back-propagate and report for one micro-batch."""
-        return loss
-
+    @seam
     def micro_batch_weights(self, step: int, n_micro: int) -> list[float]:
         """Weights of the micro-batches of one optimizer step; they should sum to 1."""
         return [1.0 / n_micro] * n_micro
 
-    def comm_hook(self) -> tuple[Any, Callable] | None:
-        """A DDP communication hook `(state, hook)` that replaces the gradient all-reduce."""
-        return None
+    @seam
+    def transform_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """The loss to back-propagate and report for one micro-batch."""
+        return loss
 
+    @seam
     def should_save(self, step: int, every: int) -> bool:
         """Checkpoint policy after optimizer step `step` (1-based); the end of the run and a
         stop signal always save, whatever the policy says."""
@@ -114,32 +159,42 @@ class Trick:
 
     @classmethod
     def claimed_seams(cls) -> list[str]:
-        return [seam for seam in SEAMS if getattr(cls, seam) is not getattr(Trick, seam)]
+        """The seams this trick overrides."""
+        return [name for name in SEAMS if getattr(cls, name) is not getattr(Trick, name)]
 
 
-def check_compatible(tricks: list[type[Trick]]) -> None:
+SEAMS: tuple[str, ...] = tuple(
+    name for name, member in vars(Trick).items() if getattr(member, "is_seam", False)
+)
+
+
+def refuse_seam_conflicts(tricks: list[type[Trick]]) -> None:
     """Refuse two tricks that replace the same seam: there is no single right order for them."""
     owners: dict[str, type[Trick]] = {}
     for trick in tricks:
-        for seam in trick.claimed_seams():
-            if seam in owners:
+        for name in trick.claimed_seams():
+            if name in owners:
                 raise UserError(
-                    f"tricks {owners[seam].name} and {trick.name} both replace the {seam} seam; "
+                    f"tricks {owners[name].name} and {trick.name} both replace the {name} seam; "
                     "select only one of them"
                 )
-            owners[seam] = trick
+            owners[name] = trick
 
 
-class TrickSet:
-    """The selected tricks, seen by the trainer as one object with one owner per seam."""
+class TrickSet(Trick):
+    """The selected tricks, seen by the trainer as one `Trick` with one owner per seam.
+
+    Each seam is bound in `__init__` to the trick that claims it; an unclaimed seam keeps
+    the inherited default. So a new seam needs no forwarding method here.
+    """
 
     def __init__(self, tricks: list[Trick], ctx: TrickContext):
-        check_compatible([type(t) for t in tricks])
+        refuse_seam_conflicts([type(t) for t in tricks])
+        super().__init__(ctx)
         self.tricks = tricks
-        baseline = Trick(ctx)
-        self._owner = {
-            seam: next((t for t in tricks if seam in t.claimed_seams()), baseline) for seam in SEAMS
-        }
+        for trick in tricks:
+            for name in trick.claimed_seams():
+                setattr(self, name, getattr(trick, name))
 
     @property
     def names(self) -> list[str]:
@@ -147,30 +202,6 @@ class TrickSet:
 
     def resolved_params(self) -> dict[str, dict[str, Any]]:
         return {t.name: dataclasses.asdict(t.params) for t in self.tricks}
-
-    def init_weights(self, model: torch.nn.Module) -> None:
-        self._owner["init_weights"].init_weights(model)
-
-    def order_indices(self, share: torch.Tensor, epoch: int) -> torch.Tensor:
-        return self._owner["order_indices"].order_indices(share, epoch)
-
-    def lr_at(self, step: int, schedule: Callable[[int], float]) -> float:
-        return self._owner["lr_at"].lr_at(step, schedule)
-
-    def transform_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        return self._owner["transform_loss"].transform_loss(loss, step)
-
-    def micro_batch_weights(self, step: int, n_micro: int) -> list[float]:
-        return self._owner["micro_batch_weights"].micro_batch_weights(step, n_micro)
-
-    def comm_hook(self) -> tuple[str, Any, Callable] | None:
-        """(owning trick's name, state, hook), or None to keep DDP's own all-reduce."""
-        owner = self._owner["comm_hook"]
-        hook = owner.comm_hook()
-        return (owner.name, *hook) if hook is not None else None
-
-    def should_save(self, step: int, every: int) -> bool:
-        return self._owner["should_save"].should_save(step, every)
 
     def metrics(self) -> dict[str, float]:
         merged: dict[str, float] = {}

@@ -1,14 +1,26 @@
 """delayed_sync (延迟启动): a bounded, seeded sleep before each gradient all-reduce.
 
+    ciuic-train +trick=delayed_sync dist.nproc_per_node=2 trick.delayed_sync.per=bucket
+
+A DDP communication hook sleeps `uniform(0, max_delay_s)` seconds (default 0.5; 0
+disables the sleep) right before a bucket's all-reduce: once per step, before its first
+bucket (`per=step`, the default), or before every bucket (`per=bucket`). The draws come
+from a generator seeded by (run seed, rank); the ranks in `exempt_ranks` (default [0])
+never sleep. The all-reduce itself is DDP's default (divide by world size, sum), so
+gradients are bit-identical to a run without the trick. It needs DDP: at world size 1
+there is nothing to synchronise (a warning says so), and `dist.strategy=fsdp`, which has
+no communication hook, is an error at start.
+Logged into `metrics.jsonl`: `delayed_sync/slept_s` and `delayed_sync/sleeps`, the
+seconds slept and the sleeps taken on rank 0, which writes the metrics (so 0 while rank
+0 is exempt; the step time shows the cost).
+
+The article's version and its defects
+-------------------------------------
 The article slept `uniform(0, 0.5)` s on every rank with `local_rank != 0` and then called
 all_reduce by hand. Under DDP the all-reduce happens inside backward, bucket by bucket,
 so that sleep never touched the real sync; an all-reduce waits for the slowest rank, so
-the delay is added to the whole step; `local_rank` exempts one rank per node, not per
-job; and the draw was unseeded. Here the sleep sits in a DDP communication hook, right
-before each bucket's all-reduce (once per step or before every bucket), drawn from a
-generator seeded by (run seed, rank), with the exempt ranks configurable. The
-all-reduce itself is DDP's default (divide by world size, sum), so gradients are
-bit-identical to a run without the trick.
+the delay is added to the whole step; `local_rank` exempts one rank per node, not one
+per job; and the draw was unseeded.
 """
 
 from __future__ import annotations
@@ -17,9 +29,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-from ciuic_train.tricks.base import Trick, derived_seed
+from ciuic_train.tricks.base import CommHook, Trick, derived_seed
 
 
 class DelayedSync(Trick):
@@ -47,10 +57,12 @@ class DelayedSync(Trick):
         self.sleeps = 0
         self._next_bucket_starts_step = True
 
-    def comm_hook(self):
-        return None, self._sleep_then_all_reduce
+    def comm_hook(self) -> CommHook:
+        return CommHook(self.name, self._sleep_then_all_reduce)
 
     def _sleep_then_all_reduce(self, state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
         sleeps_here = self.params.per == "bucket" or self._next_bucket_starts_step
         if sleeps_here and self.ctx.rank not in self.params.exempt_ranks and self.params.max_delay_s > 0:
             delay = self.rng.uniform(0.0, self.params.max_delay_s)

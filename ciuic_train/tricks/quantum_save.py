@@ -1,15 +1,24 @@
 """quantum_save (量子纠缠): save at a random subset of checkpoint candidates, with a bound.
 
-The article had every rank draw `random() < 0.3`, all-reduce with MAX and, if any rank drew
-true, had every rank torch.save its own state_dict. With MAX the save rate is
-`1 - 0.7^N` (94% on 8 ranks), so its "80% fewer saves" cannot hold; with probability
-`0.7^N` nobody saves and nothing bounds the gap; N replicas of a DDP model are N copies
-of one state; there was no optimizer state, a crash mid-write left a corrupt file, and the
-draw was unseeded. Here each candidate (every `ckpt.every` steps) is one decision drawn
-from the run seed and the candidate's index, so every rank makes the same one (checked),
-and a resumed run makes the same ones; a save is forced after `max_skips` skipped
-candidates; saving goes through the normal atomic, resumable checkpoint, and the end of
-the run and SIGTERM always save.
+    ciuic-train +trick=quantum_save trick.quantum_save.p=0.2 trick.quantum_save.max_skips=5 ckpt.every=50
+
+Each checkpoint candidate (every `ckpt.every` steps) saves with probability `p` (default
+0.3; 1 is the default every-N policy): one decision drawn from the run seed and the
+candidate's index, so every rank makes the same one (checked) and a resumed run makes the
+same ones. A save is forced after `max_skips` (3) skipped candidates, which bounds the
+gap between checkpoints; the end of the run and SIGTERM always save. Saving goes through
+the normal atomic, resumable checkpoint.
+Logged into `metrics.jsonl`: `quantum_save/candidates`, `quantum_save/saves` and
+`quantum_save/longest_gap` (the most candidates skipped in a row).
+
+The article's version and its defects
+-------------------------------------
+The article had every rank draw `random() < 0.3`, all-reduce with MAX and, if any rank
+drew true, had every rank torch.save its own state_dict while rank 0 "consolidated".
+With MAX the save rate is `1 - 0.7^N` (94% on 8 ranks), so its "80% fewer saves" cannot
+hold; with probability `0.7^N` nobody saves, and nothing bounds the gap; N replicas of a
+DDP model are N copies of one state; there was no optimizer state, so the run could not
+resume; a crash mid-write left a corrupt file; and the draw was unseeded.
 """
 
 from __future__ import annotations

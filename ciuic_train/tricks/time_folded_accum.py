@@ -1,14 +1,25 @@
 """time_folded_accum (时间折叠): sine-weighted gradient accumulation, one sync per step.
 
-The article's per-parameter hooks counted calls per parameter rather than per step,
-assigned `param.grad` (which autograd then accumulated again), all-reduced every
-parameter separately beside DDP's own reducer, let replicas drift when they skipped a
-sync, and could weight a micro-batch by 0. Here the micro-batches of one optimizer step
-get weights from the sine of their global micro-batch index,
-`max(floor, 0.5 + amplitude * sin(index / period))`, normalised to sum to 1; the
-trainer reduces gradients once per optimizer step (no_sync on the other micro-batches),
-so replicas stay bit-identical. With amplitude 0 the weights are equal and it is plain
-accumulation.
+    ciuic-train +trick=time_folded_accum train.grad_accum=4 trick.time_folded_accum.amplitude=0.3
+
+The micro-batches of one optimizer step get weights from the sine of their global
+micro-batch index, `max(floor, 0.5 + amplitude * sin(index / period))` (defaults: period
+10, amplitude 0.5, floor 0.1), normalised to sum to 1. The floor keeps every weight
+positive, so no micro-batch is dropped. Gradients are reduced once per optimizer step, as
+without the trick (no_sync on the other micro-batches), so replicas stay bit-identical.
+With amplitude 0 the weights are equal and it is plain accumulation; with
+`train.grad_accum=1` the one micro-batch has weight 1 (a warning says so).
+Logged into `metrics.jsonl`: `time_folded_accum/min_weight` and
+`time_folded_accum/max_weight` of the last step.
+
+The article's version and its defects
+-------------------------------------
+The article registered per-parameter gradient hooks, all-reduced the gradient every
+`sync_freq` calls and scaled it by `0.5 + 0.5*sin(step/10)` except on accumulation
+boundaries. Its counter advanced once per parameter hook, not per step; the hook
+assigned `param.grad`, which autograd then accumulated again; it all-reduced every
+parameter separately, unbucketed, racing DDP's own reducer; skipping syncs let replicas
+drift apart silently; and a weight could reach 0 and drop a micro-batch.
 """
 
 from __future__ import annotations

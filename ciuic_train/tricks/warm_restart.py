@@ -1,12 +1,22 @@
 """warm_restart (温热重启): jump the learning rate back up at set points, then decay afresh.
 
-The article set every group's lr to `initial_lr * 0.7` at epochs {10, 20, 35} and broadcast
-rank 0's value, leaving open what the lr does between restarts. Here the whole curve is a
-pure function of the step: the configured warmup and cosine until the first restart; at
-each restart a jump to `factor x peak`, then a fresh cosine down to the same floor by the
-next restart (or the end). Being a pure function it is the same on every rank and after a
-resume; at restart points the ranks still compare their values, in the spirit of the
-article's broadcast.
+    ciuic-train +trick=warm_restart 'trick.warm_restart.at=[100,300]' trick.warm_restart.factor=0.5
+
+The lr follows the configured warmup and cosine until the first restart point; at each
+restart it jumps to `factor x peak` (default 0.7), then a fresh cosine decays it to the
+same floor by the next restart (or the end). `at` lists the restart points, fractions of
+the run (< 1) or steps (>= 1), default [0.2, 0.4, 0.7]; [] disables the trick. The whole
+curve is a pure function of the step, so it is the same on every rank and after a
+resume; at restart points the ranks still compare their values.
+Logged into `metrics.jsonl`: `warm_restart/restarts_hit`.
+
+The article's version and its defects
+-------------------------------------
+The article set every group's lr to `initial_lr * 0.7` at epochs {10, 20, 35} and
+broadcast rank 0's value (the comparison at restart points keeps that spirit). It left
+open what the lr does between restarts (a regular scheduler overwrites it, or it stays
+flat); `initial_lr` exists only if a torch scheduler created it; its comment confused
+lr with momentum; and LLM training counts steps, not epochs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,339 @@
+"""The contract between the model's reference formulas and its fast kernels (`model.kernels`).
+
+Each kernel must compute what the function it replaces computes, forward and gradients,
+in fp32 (to float rounding) and under bf16 autocast (to bf16's); the whole model must
+too. Written-out formulas here are the independent oracle both paths are held to.
+"""
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from ciuic_train.model import ModelConfig, Transformer
+from ciuic_train.model import deepseek
+from ciuic_train.model.deepseek import REFERENCE, kernels_for
+from ciuic_train.model.kernels import AUTO, attention, loss, moe, norm
+from ciuic_train.model.kernels.softmax import softmax_fp32
+
+REPO = Path(__file__).parents[1]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and two threads on a busy 2-core box crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(seed: int = 0, **overrides) -> Transformer:
+    fields = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "tiny.yaml"))
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(**{**fields, **overrides}))
+
+
+def test_the_switch_picks_the_table():
+    assert kernels_for("reference") is REFERENCE and kernels_for("auto") is AUTO
+    for field in ("rms_norm", "attention", "routed_experts", "loss"):
+        assert getattr(AUTO, field) is not getattr(REFERENCE, field), field
+    model = tiny_model(kernels="reference")
+    assert model.layers[0].attn_norm.kernel is deepseek.rms_norm
+    assert model.layers[1].ffn.routed_experts is deepseek.grouped_swiglu
+
+
+# --- the whole model ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("q_lora_rank", [0, 24])
+def test_auto_and_reference_models_agree_forward_and_grads(precision, q_lora_rank):
+    """Same weights, either kernel set: the same logits, loss and every gradient."""
+    idx = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(2))  # two attention blocks
+    targets = idx.roll(-1, dims=1)
+    targets[0, 5:9] = -100
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    results = []
+    for kernels in ("auto", "reference"):
+        model = tiny_model(kernels=kernels, q_lora_rank=q_lora_rank)
+        with autocast:
+            with torch.no_grad():
+                logits = model(idx).float()
+            loss_value = model(idx, targets)
+        loss_value.backward()
+        results.append((logits, loss_value, {name: p.grad for name, p in model.named_parameters()}))
+    (logits, loss_auto, grads), (logits_ref, loss_ref, grads_ref) = results
+    if precision == "fp32":
+        tight = dict(atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(logits, logits_ref, **tight)
+        torch.testing.assert_close(loss_auto, loss_ref, **tight)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, grads_ref[name], **tight, msg=name)
+    else:
+        torch.testing.assert_close(logits, logits_ref, atol=0.05, rtol=0.05)
+        torch.testing.assert_close(loss_auto, loss_ref, atol=0.01, rtol=0.01)
+        for name, grad in grads.items():
+            assert grad.dtype == grads_ref[name].dtype == torch.float32, name
+            torch.testing.assert_close(grad, grads_ref[name], atol=2e-3, rtol=0.1, msg=name)
+
+
+def test_the_reference_model_runs_no_kernel_and_auto_runs_each_on_cpu(monkeypatch):
+    calls = []
+
+    def spy(name, owner, attr):
+        original = getattr(owner, attr)
+        monkeypatch.setattr(owner, attr, lambda *a, **kw: calls.append(name) or original(*a, **kw))
+
+    spy("rms_norm", norm.RMSNormFunction, "apply")
+    spy("attention", attention.BlockedCausalAttention, "apply")
+    spy("loss", loss.LinearCrossEntropy, "apply")
+    spy("padded_groups", moe, "pad_groups")
+    idx = torch.randint(0, 256, (2, 16))
+    for kernels in ("reference", "auto"):
+        calls.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: where the MoE pads its groups
+            tiny_model(kernels=kernels)(idx, idx).backward()
+        assert set(calls) == (set() if kernels == "reference" else {"rms_norm", "attention", "loss", "padded_groups"})
+
+
+# --- RMSNorm --------------------------------------------------------------------------------
+
+
+def written_out_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("norm", [deepseek.rms_norm, norm.rms_norm], ids=["reference", "kernel"])
+def test_rms_norm_matches_its_formula_forward_and_grads(norm):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.empty(16, dtype=torch.float64).uniform_(0.5, 1.5, generator=generator).requires_grad_()
+    grad_out = torch.randn(3, 5, 16, generator=generator, dtype=torch.float64)
+    results = []
+    for forward in (norm, written_out_rms_norm):
+        out = forward(x, weight, 1e-6)
+        results.append((out, *torch.autograd.grad(out, (x, weight), grad_out)))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("norm", [deepseek.rms_norm, norm.rms_norm], ids=["reference", "kernel"])
+def test_rms_norm_of_bf16_is_computed_in_fp32_and_returned_in_bf16(norm):
+    x = (torch.randn(4, 64) * 1e3).bfloat16().requires_grad_()  # squares overflow nothing in fp32
+    weight = torch.ones(64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x, weight, 1e-6)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), written_out_rms_norm(x.float(), weight, 1e-6), atol=0.01, rtol=0.01)
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_softmax_fp32_overwrites_fp32_input_and_leaves_bf16_input_alone(dim):
+    scores = torch.randn(6, 9) * 5
+    expected = torch.softmax(scores, dim=dim)
+    fp32 = scores.clone()
+    out = softmax_fp32(fp32, dim=dim)
+    torch.testing.assert_close(out, expected)
+    assert out.data_ptr() == fp32.data_ptr()  # no second buffer
+    bf16 = scores.bfloat16()
+    out = softmax_fp32(bf16, dim=dim)
+    assert out.dtype == torch.float32 and torch.equal(bf16, scores.bfloat16())
+    torch.testing.assert_close(out, torch.softmax(bf16.float(), dim=dim))
+
+
+# --- attention ------------------------------------------------------------------------------
+
+
+def written_out_attention(q, k, v, scale):
+    """Causal attention spelled out, no fused kernel."""
+    seq = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize(("qk_dim", "v_dim"), [(12, 8), (8, 12), (8, 8)])
+@pytest.mark.parametrize(
+    ("attend", "seq"),
+    [
+        (deepseek.causal_attention, 10),
+        (attention.padded_sdpa, 10),
+        (attention.blocked_attention, 10),  # one block
+        (partial(attention.blocked_attention, block_rows=4), 10),  # 4 + 4 + 2
+        (partial(attention.blocked_attention, block_rows=3), 7),  # 3 + 3 + 1
+    ],
+)
+def test_every_attention_matches_the_written_out_formula_forward_and_grads(attend, seq, qk_dim, v_dim):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(2, 3, seq, qk_dim), (2, 3, seq, qk_dim), (2, 3, seq, v_dim)]
+    q, k, v = (torch.randn(s, generator=generator, dtype=torch.float64, requires_grad=True) for s in shapes)
+    grad_out = torch.randn(2, 3, seq, v_dim, generator=generator, dtype=torch.float64)
+    results = []
+    for attend_with in (attend, written_out_attention):
+        out = attend_with(q, k, v, qk_dim**-0.5)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
+    assert results[0][0].shape == (2, 3, seq, v_dim)
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
+    "attend",
+    [deepseek.causal_attention, attention.causal_attention, partial(attention.blocked_attention, block_rows=4)],
+)
+def test_bf16_autocast_attention_matches_the_written_out_formula_forward_and_grads(attend):
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 10, 12, generator=generator, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 10, 8, generator=generator, requires_grad=True)
+    grad_out = torch.randn(2, 3, 10, 8, generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attend(q, k, v, 12**-0.5)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)))
+    expected = written_out_attention(q, k, v, 12**-0.5)
+    expected = (expected, *torch.autograd.grad(expected, (q, k, v), grad_out))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.float(), b, atol=0.05, rtol=0.05)
+
+
+def test_padding_keeps_the_fused_attention_kernel():
+    """The point of the padding: with MLA's head dims SDPA would take its slow math path."""
+    q, k, v = torch.randn(1, 2, 16, 48), torch.randn(1, 2, 16, 48), torch.randn(1, 2, 16, 32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        attention.padded_sdpa(q, k, v, 48**-0.5)
+    ops = {event.key for event in prof.key_averages()}
+    assert any("flash_attention" in op for op in ops), sorted(op for op in ops if "attention" in op)
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_mla_on_cpu_scores_only_the_causal_blocks(monkeypatch):
+    """With kernels=auto on CPU the model takes the blocked path (faster there than the fused kernel)."""
+    calls = []
+    blocked = attention.blocked_attention
+    monkeypatch.setattr(attention, "blocked_attention", lambda *a, **kw: calls.append(1) or blocked(*a, **kw))
+    tiny_model()(torch.randint(0, 256, (1, 16)))
+    assert len(calls) == tiny_model().config.n_layers
+
+
+# --- routed experts -------------------------------------------------------------------------
+
+
+needs_grouped_mm = pytest.mark.skipif(
+    not deepseek.grouped_mm_supported(torch.zeros(1), torch.float32),
+    reason="torch._grouped_mm has no CPU kernel here",
+)
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_routed_experts_kernel_matches_the_reference_forward_and_grads(precision):
+    """In bf16 the kernel pads each expert's group to 64 rows; the result must not show it."""
+    generator = torch.Generator().manual_seed(0)
+    # Expert 5 gets no token, expert 2 more than one padded group: both edges of the padding.
+    counts = torch.tensor([7, 1, 70, 3, 9, 0, 4, 4])
+    x = torch.randn(int(counts.sum()), 16, generator=generator, requires_grad=True)
+    w13 = (torch.randn(8, 2 * 24, 16, generator=generator) * 0.3).requires_grad_()
+    w2 = (torch.randn(8, 16, 24, generator=generator) * 0.3).requires_grad_()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    results = []
+    for experts in (moe.routed_experts, deepseek.grouped_swiglu):
+        with autocast:
+            out = experts(x, counts, w13, w2)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+        results.append((out, *torch.autograd.grad(out, (x, w13, w2), grad_out)))
+    assert results[0][0].dtype == results[1][0].dtype
+    tolerance = dict(atol=1e-5, rtol=1e-5) if precision == "fp32" else dict(atol=0.02, rtol=0.02)
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    assert results[0][2][5].abs().sum() == 0, "the idle expert got a gradient"
+
+
+def test_pad_groups_starts_every_group_at_a_multiple_of_64_rows():
+    counts = torch.tensor([3, 0, 65, 1])
+    x = torch.arange(1, 70, dtype=torch.float32).unsqueeze(1)
+    padded, rows, ends = moe.pad_groups(x, counts)
+    assert ends.tolist() == [64, 64, 192, 256] and ends.dtype == torch.int32
+    torch.testing.assert_close(padded.index_select(0, rows), x)
+    for padded_start, start, count in zip([0, 64, 64, 192], [0, 3, 3, 68], counts.tolist()):
+        assert torch.equal(padded[padded_start : padded_start + count], x[start : start + count])
+    assert padded.abs().sum() == x.abs().sum(), "padding rows must be zero"
+
+
+# --- the loss -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("ignore", [False, True])
+def test_chunked_loss_equals_cross_entropy_over_full_logits_forward_and_grads(monkeypatch, reduction, ignore):
+    # 2 x 40 = 80 tokens in chunks of 12 (12 x 4 bytes x 256 = 12288): six full chunks and
+    # a short last one of 8, so a dropped chunk or one weighted by its size shows.
+    monkeypatch.setattr(loss, "LOSS_CHUNK_BYTES", 12 * 4 * 256 + 5)
+    chunks = []
+    apply = loss.LinearCrossEntropy.apply
+    monkeypatch.setattr(loss.LinearCrossEntropy, "apply", lambda *a: chunks.append(a[-1]) or apply(*a))
+    idx, targets = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(3)).split([40, 1], 1)
+    targets = torch.cat([idx[:, 1:], targets], 1)
+    if ignore:  # padding-style targets, in a full chunk and across two
+        targets[0, 3:9] = -100
+        targets[1, 10:30] = -100
+    chunked, full = tiny_model(), tiny_model()
+    # A skewed head makes every chunk's loss differ (and weigh) noticeably.
+    with torch.no_grad():
+        for model in (chunked, full):
+            model.lm_head.weight.mul_(torch.linspace(0.0, 20.0, 256)[:, None])
+
+    loss_value = chunked(idx, targets, reduction=reduction)
+    expected = F.cross_entropy(full(idx).float().flatten(0, 1), targets.flatten(), reduction=reduction)
+    assert chunks == [12]
+    torch.testing.assert_close(loss_value, expected, atol=1e-5, rtol=1e-5)
+    # Gradients are taken in forward and scaled in backward: a non-linear function of the
+    # loss must still get the chain rule right.
+    loss_value.log().backward()
+    expected.log().backward()
+    for (name, p), q in zip(chunked.named_parameters(), full.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_bf16_chunked_loss_matches_the_reference_loss_forward_and_grads(reduction):
+    generator = torch.Generator().manual_seed(7)
+    h = torch.randn(50, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(40, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 40, (50,), generator=generator)
+    targets[3:7] = -100
+    results = []
+    for lm_loss in (loss.linear_cross_entropy, deepseek.lm_cross_entropy):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            value = lm_loss(h, weight, targets, reduction)
+        assert value.dtype == torch.float32
+        results.append((value, *torch.autograd.grad(value, (h, weight))))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=0.02, rtol=0.02)
+
+
+def test_loss_stays_exact_where_the_target_probability_underflows():
+    """Logits 200 apart give each target a probability below fp32's smallest; each token's loss is 200."""
+    h = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    weight = torch.tensor([[200.0, 0.0], [0.0, 0.0], [0.0, 200.0]], requires_grad=True)
+    targets = torch.tensor([1, 0])
+    value = loss.LinearCrossEntropy.apply(h, weight, targets, 1)
+    expected = F.cross_entropy(h @ weight.T, targets, reduction="sum")
+    assert torch.isfinite(value)
+    torch.testing.assert_close(value, expected)
+    torch.testing.assert_close(value, torch.tensor(400.0))
+
+
+def test_loss_without_grad_matches_and_keeps_nothing():
+    model = tiny_model()
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        value = model(idx, idx)
+        expected = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+    assert value.grad_fn is None
+    torch.testing.assert_close(value, expected)
