@@ -1,43 +1,51 @@
-"""The `ciuic-train` command: check the whole request, then hand it to Hydra.
+"""The `ciuic-train` command: answer what only prints, check what runs, hand it to Hydra.
 
 Hydra reports configuration mistakes as multi-line messages (or tracebacks) and only
 after it has created a run folder. So before Hydra runs, every job the command line
 describes (one, or each point of a `-m` sweep) is composed and checked here; the first
 mistake is printed as one line and the process exits with status 2, writing nothing.
+How this process was started, and what that asks of it, is `ciuic_train.launch`'s.
+
+Importing torch takes longer than everything else a command that only prints does, so
+`--help`, `--cfg` and `--list-tricks` never import it (tests/test_cli.py checks).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
+import importlib.resources
+import itertools
 import json
 import logging
 import os
 import shutil
-import signal
+import string
 import sys
 import typing
 from difflib import get_close_matches
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from ciuic_train import launch
 from ciuic_train.config import Config, register_configs, to_config
 from ciuic_train.errors import UserError
-from ciuic_train.slurm import WORKER_OVERRIDES, Task, end_stopped_task, in_slurm_task
+from ciuic_train.slurm import end_stopped_task, in_slurm_task
 
 PROG = "ciuic-train"
 CONFIG_MODULE = "ciuic_train.conf"
 CONFIG_NAME = "config"
-# Flags that only print information: Hydra answers them without running a job.
-_INFO_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--info", "-i", "--shell-completion", "-sc"}
 PLAN_FLAG = "--plan"
 LIST_TRICKS_FLAG = "--list-tricks"
 
@@ -51,9 +59,18 @@ def _hydra_job(cfg: DictConfig) -> float:
     """One training job inside Hydra's run (or sweep) folder; returns the final val loss for sweepers."""
     config = to_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if config.dist.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:  # no launcher has set the ranks
-        return _launch_workers(config, run_dir)
+    try:
+        summary = launch.current().start_workers(config, run_dir)
+    except launch.WorkersFailed as err:
+        fail(str(err), status=1)
+    if summary is None:
+        summary = _train_in_this_process(cfg, config, run_dir)
+    if summary["stopped_by"]:
+        _after_stop(summary["stopped_by"], _is_rank_0())
+    return summary["final_val_loss"]
 
+
+def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> dict[str, Any]:
     from ciuic_train.parallel import Parallel, RankInfo  # torch is imported only when a job runs
     from ciuic_train.trainer import Trainer, resolve_device
 
@@ -77,9 +94,7 @@ def _hydra_job(cfg: DictConfig) -> float:
             parallel.close(clean=finished)
     if info.is_main and not summary["stopped_by"]:
         show_results(summary, sample, config.sample.prompt)
-    if summary["stopped_by"]:
-        _after_stop(summary["stopped_by"], info.is_main)
-    return summary["final_val_loss"]
+    return summary
 
 
 def _after_stop(signal_name: str, is_main: bool) -> None:
@@ -92,38 +107,99 @@ def _after_stop(signal_name: str, is_main: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The console script: answer what only prints, check what runs, then hand over to Hydra."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if LIST_TRICKS_FLAG in argv:
         list_tricks()
         return
     plan = PLAN_FLAG in argv
     argv = [a for a in argv if a != PLAN_FLAG]
-    if not _INFO_FLAGS.intersection(argv):
-        if _srun_tasks() > 1:
-            argv += _srun_task_overrides(argv)
-        try:
-            jobs = check_request(argv)
-        except UserError as err:
-            fail(str(err))
-        if plan:
-            from ciuic_train.plan import print_plan
-
-            for job in jobs:
-                print_plan(job.config)
+    args, _ = parse_hydra_command_line(argv)
+    try:
+        if args.help and _composes_our_config(args):
+            print_help(args)
             return
-        if _under_elastic_agent() and jobs:
-            argv += _worker_overrides(jobs[0].run_dir)
+        if _runs_jobs(args):
+            path = launch.current()
+            argv += path.overrides_before_check(argv)
+            jobs = check_request(argv, path)
+            if plan:
+                from ciuic_train.plan import print_plan
+
+                for job in jobs:
+                    print_plan(job.config)
+                return
+            if jobs:
+                argv += path.overrides_after_check(jobs[0].run_dir)
+        elif args.cfg:
+            check_request(argv, config_only=True)
+        # Hydra's own answers: --hydra-help, --info, --shell-completion, --help on another primary config.
+    except UserError as err:
+        fail(str(err))
+    run_hydra_main(argv)
+
+
+def parse_hydra_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The command line as @hydra.main reads it, and the arguments it would refuse.
+
+    Hydra has no public parser, so this is its private one: both sides then read every
+    flag alike. Checked against hydra-core 1.3.8; tests/test_cli.py::
+    test_hydra_parses_the_command_line_as_we_read_it fails if a flag we read changes.
+    `--version` prints Hydra's version and exits here, as @hydra.main would.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser().parse_known_args(argv)
+
+
+def run_hydra_main(argv: list[str]) -> None:
+    """Run @hydra.main on `argv`. It reads its arguments only from sys.argv (hydra-core 1.3
+    takes no others), so sys.argv holds them for the call."""
+    saved = sys.argv
     sys.argv = [PROG, *argv]
     try:
         _hydra_job()
-    except BrokenPipeError:  # `ciuic-train --help | head`: the reader left, nothing is wrong
+    except BrokenPipeError:  # `ciuic-train --cfg job | head`: the reader left, nothing is wrong
         sys.stderr.close()
+    finally:
+        sys.argv = saved
+
+
+def print_help(args: argparse.Namespace) -> None:
+    """`--help`: Hydra's help template (conf/config.yaml) filled with our config groups and
+    the config the command's overrides compose.
+
+    Hydra's own `--help` lists its own groups as well, and reads the whole config
+    repository again for each of some seventy groups: over a second. This lists ours.
+    """
+    with _config_module(), _as_user_errors():
+        overrides = _job_overrides(_parse_overrides(args.overrides), args.multirun)[0]
+        cfg = hydra.compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=True)
+        template = cfg.hydra.help.template
+        to_config(_without_hydra(cfg))  # the run's own checks: a help on a mistake would mislead
+    config = OmegaConf.to_yaml(cfg, resolve=args.resolve)
+    groups = "\n".join(_config_groups(importlib.resources.files(CONFIG_MODULE)))
+    print(string.Template(template).safe_substitute(APP_CONFIG_GROUPS=groups, CONFIG=config))
+
+
+def _config_groups(folder: Any, parent: str = "") -> list[str]:
+    """`group: option, ...` for each of our config groups: the folders of the conf package
+    (`folder`, an importlib.resources Traversable). Hydra's loader lists them too, but
+    copies its whole config repository for each question."""
+    lines = []
+    for sub in sorted((f for f in folder.iterdir() if f.is_dir()), key=lambda f: f.name):
+        group = f"{parent}{sub.name}"
+        if group == "hydra":
+            continue
+        options = sorted(f.name.removesuffix(".yaml") for f in sub.iterdir() if f.name.endswith(".yaml"))
+        if options:
+            lines.append(f"{group}: {', '.join(options)}")
+        lines += _config_groups(sub, f"{group}/")
+    return lines
 
 
 def list_tricks() -> None:
     """One line per trick, with its parameters and how to select it."""
-    import dataclasses as dc
-
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -134,119 +210,9 @@ def list_tricks() -> None:
     for column in ("name", "what it does", "parameters (defaults)"):
         table.add_column(column)
     for name, cls in sorted(registry().items()):
-        defaults = ", ".join(f"{f.name}={getattr(cls.Params(), f.name)}" for f in dc.fields(cls.Params))
+        defaults = ", ".join(f"{f.name}={getattr(cls.Params(), f.name)}" for f in dataclasses.fields(cls.Params))
         table.add_row(name, cls.summary, defaults)
     Console().print(table)
-
-
-def _under_elastic_agent() -> bool:
-    """A worker started by torchrun or by our own launcher (torch's elastic agent)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def _worker_overrides(proposed_run_dir: str) -> list[str]:
-    """Make the ranks of one torchrun job share one run folder, written by rank 0 only.
-
-    Each rank composes its own config, and `${now:}` can differ between them, so the
-    folder is agreed through the elastic agent's store: the first rank to propose one
-    wins, and a restarted worker group finds the same folder again.
-    """
-    overrides = [f"hydra.run.dir={quote_override(_agree_run_dir(proposed_run_dir))}"]
-    if int(os.environ.get("RANK", 0)) != 0:
-        overrides += WORKER_OVERRIDES
-    return overrides
-
-
-def _srun_tasks() -> int:
-    """Tasks of this srun step when srun itself started the training processes."""
-    return int(os.environ.get("SLURM_NTASKS", 1)) if in_slurm_task() and "SUBMITIT_FOLDER" not in os.environ else 0
-
-
-def _srun_task_overrides(argv: list[str]) -> list[str]:
-    """`srun -n N ciuic-train ...`: each task is one rank of one run.
-
-    Ranks come from Slurm's variables. Tasks cannot agree on a `${now:}` folder before
-    they can talk, so unless the command names one, the run folder is named after the
-    job and step, the same on every task and again when the job is requeued.
-    """
-    task = Task.from_slurm()
-    task.export()
-    task.limit_threads()
-    overrides = []
-    if not any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv):
-        step = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
-        overrides.append(f"hydra.run.dir={quote_override(str(Path('outputs') / f'slurm-{step}'))}")
-    return overrides + (list(WORKER_OVERRIDES) if task.rank != 0 else [])
-
-
-def _agree_run_dir(proposal: str) -> str:
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return proposal
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    store = TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
-    )
-    key = f"ciuic_train/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
-    return store.compare_set(key, "", str(Path(proposal).absolute())).decode()
-
-
-def quote_override(value: str) -> str:
-    """A value that Hydra's override parser reads back verbatim (paths may hold spaces or '=')."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def is_user_error_exit(exit_codes: dict[int, int]) -> bool:
-    """Whether failed workers' exit codes by rank mean a user mistake, not a crash.
-
-    Rank 0 exits 2 after saying what was wrong. The other ranks hit the same mistake, but
-    one still on its way there when rank 0 exits is stopped by the launcher (SIGTERM, then
-    SIGKILL), which is no crash of its own.
-    """
-    stopped = {2, -signal.SIGTERM, -signal.SIGKILL}
-    return exit_codes.get(0) == 2 and all(code in stopped for code in exit_codes.values())
-
-
-def _launch_workers(config: Config, run_dir: Path) -> float:
-    """Start `dist.nproc_per_node` workers on this job's config and folder, as torchrun would."""
-    import uuid
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    nproc = config.dist.nproc_per_node
-    # Like torchrun, keep N processes from each starting one thread per core.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    overrides = [
-        *HydraConfig.get().overrides.task,
-        f"hydra.run.dir={quote_override(str(run_dir.absolute()))}",
-        "hydra.output_subdir=null",  # this process already wrote .hydra/
-    ]
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=config.dist.max_restarts,
-        monitor_interval=0.5,
-    )
-    log.info(f"starting {nproc} workers (torch elastic launcher) in {run_dir}")
-    try:
-        elastic_launch(launch, sys.executable)("-m", "ciuic_train", *overrides)
-    except ChildFailedError as err:
-        if is_user_error_exit({rank: failure.exitcode for rank, failure in err.failures.items()}):
-            sys.exit(2)  # rank 0 has already said what the mistake was
-        failed = ", ".join(f"rank {rank} exit code {f.exitcode}" for rank, f in sorted(err.failures.items()))
-        fail(f"workers failed ({failed}); see {run_dir / 'train.log'}", status=1)
-    if not (run_dir / "summary.json").is_file():  # the workers saved and stopped on a signal
-        _after_stop("a signal", is_main=True)
-        return float("nan")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return summary["final_val_loss"]
 
 
 def _require_same_config(parallel, cfg: DictConfig) -> None:
@@ -301,9 +267,13 @@ def show_results(summary: dict[str, Any], sample: str | None, prompt: str) -> No
 
 def fail(message: str, status: int = 2) -> None:
     """Report a mistake in one line and exit; under torchrun only rank 0 speaks."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    if _is_rank_0():
         print(f"{PROG}: error: {message}", file=sys.stderr)
     sys.exit(status)
+
+
+def _is_rank_0() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,47 +282,114 @@ class CheckedJob:
     run_dir: str  # hydra.run.dir as this process resolves it
 
 
-def check_request(argv: list[str]) -> list[CheckedJob]:
-    """Compose and check every job the command line asks for, before anything runs."""
-    from hydra._internal.utils import get_args_parser
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+def check_request(
+    argv: list[str], path: launch.LaunchPath | None = None, config_only: bool = False
+) -> list[CheckedJob]:
+    """Compose and check every job the command line asks for, before anything runs.
 
-    args, unknown = get_args_parser().parse_known_args(argv)
+    `path` is how this process was started (default: as the environment says);
+    `config_only` is for commands that print the config: they skip the corpus and
+    checkpoint checks, which need torch.
+    """
+    args, unknown = parse_hydra_command_line(argv)
     if unknown:
         raise UserError(f"unknown option {unknown[0]!r}; see {PROG} --help")
-    if args.config_name not in (None, CONFIG_NAME) or args.config_path or args.config_dir:
+    if args.resolve and not (args.cfg or args.help):
+        raise UserError("--resolve works only with --cfg or --help")
+    if args.cfg and args.multirun:
+        raise UserError("--cfg prints the config of one job; leave out -m")
+    if not _composes_our_config(args):
         return []  # a user-supplied primary config: Hydra checks it against our schema itself
-    GlobalHydra.instance().clear()
-    with hydra.initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-        try:
-            parsed = OverridesParser.create(config_loader=loader).parse_overrides(args.overrides)
-            jobs = BasicSweeper.split_arguments(parsed, None)[0] if args.multirun else [args.overrides]
-        except (HydraException, OmegaConfBaseException) as err:
-            raise UserError(_first_line(err)) from None
-        launcher = _check_launcher(parsed, args.multirun)
-        if not args.multirun and any(o.is_sweep_override() for o in parsed):
-            sweep = next(o.input_line for o in parsed if o.is_sweep_override())
-            raise UserError(f"{sweep!r} is a sweep; add -m (--multirun) to run one job per value")
-        if args.multirun and (_under_elastic_agent() or _srun_tasks() > 1):
+    path = path or launch.current()
+    with _config_module(), _as_user_errors():
+        parsed = _parse_overrides(args.overrides)
+        launcher = None if config_only else _check_launcher(parsed, args.multirun)
+        jobs = _job_overrides(parsed, args.multirun)
+        if args.multirun and not path.runs_sweeps:
             raise UserError(
-                "-m under torchrun or srun would run the whole sweep on every rank; "
+                f"-m under {path.name} would run the whole sweep on every rank; "
                 f"sweep distributed jobs with {PROG} -m ... dist.nproc_per_node=N instead"
             )
-        checked = [_check_job(job) for job in jobs]
-        if launcher and any(job.config.dist.nproc_per_node > 1 for job in checked):
-            raise UserError(
-                f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
-                "instead of dist.nproc_per_node=N"
-            )
-        return checked
+        checked = [_check_job(job, config_only) for job in jobs]
+    if launcher and any(job.config.dist.nproc_per_node > 1 for job in checked):
+        raise UserError(
+            f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
+            "instead of dist.nproc_per_node=N"
+        )
+    return checked
+
+
+def _composes_our_config(args: argparse.Namespace) -> bool:
+    return args.config_name in (None, CONFIG_NAME) and not args.config_path and not args.config_dir
+
+
+def _runs_jobs(args: argparse.Namespace) -> bool:
+    """Whether Hydra will run jobs, rather than only print something."""
+    return not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion)
+
+
+@contextlib.contextmanager
+def _config_module() -> Iterator[None]:
+    """Hydra initialised on our configs, as @hydra.main will be."""
+    GlobalHydra.instance().clear()
+    with hydra.initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        yield
+
+
+@contextlib.contextmanager
+def _as_user_errors() -> Iterator[None]:
+    """Hydra's and OmegaConf's composition errors, as one line a user can act on."""
+    try:
+        yield
+    except MissingConfigException as err:
+        raise UserError(_unknown_option(err)) from None
+    except OmegaConfBaseException as err:
+        raise UserError(_describe_omegaconf(err)) from None
+    except HydraException as err:
+        cause = err.__cause__
+        if isinstance(cause, OmegaConfBaseException):
+            raise UserError(_describe_omegaconf(cause)) from None
+        raise UserError(_first_line(err)) from None
+
+
+def _parse_overrides(overrides: list[str]) -> list[Override]:
+    loader = GlobalHydra.instance().config_loader()  # glob() sweeps list a group's options through it
+    return OverridesParser.create(config_loader=loader).parse_overrides(overrides)
+
+
+def _job_overrides(parsed: list[Override], multirun: bool) -> list[list[str]]:
+    """The overrides of each job: the command's own, or with -m one job per point of the
+    sweeps' product, as Hydra's basic sweeper expands them (a key given twice: the later)."""
+    if not multirun:
+        sweep = next((o.input_line for o in parsed if o.is_sweep_override()), None)
+        if sweep is not None:
+            raise UserError(f"{sweep!r} is a sweep; add -m (--multirun) to run one job per value")
+        return [[o.input_line for o in parsed]]
+    values: dict[str, list[str]] = {}
+    for override in parsed:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            values[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            values[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            raise UserError(f"{override.input_line!r}: an interval has no points to run; sweep a list, range() or glob()")
+    return [list(job) for job in itertools.product(*values.values())]
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    """The job's part of a composed config (the `hydra` node's sweep keys only resolve
+    inside a running sweep)."""
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 # Our launchers (conf/hydra/launcher/) and what each needs beyond Hydra itself.
 SUBMITIT_LAUNCHERS = {"slurm": "sbatch", "local": None}
 
 
-def _check_launcher(parsed: list[Any], multirun: bool) -> str | None:
+def _check_launcher(parsed: list[Override], multirun: bool) -> str | None:
     """Say what a submitit launcher lacks here, before Hydra fails on it with a traceback;
     the one chosen, if any."""
     import importlib.util
@@ -372,39 +409,29 @@ def _check_launcher(parsed: list[Any], multirun: bool) -> str | None:
     return chosen[0] if chosen else None
 
 
-def _check_job(overrides: list[str]) -> CheckedJob:
-    try:
+def _check_job(overrides: list[str], config_only: bool) -> CheckedJob:
+    with _as_user_errors():
         cfg = hydra.compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=True)
         run_dir = str(cfg.hydra.run.dir)
-        with open_dict(cfg):
-            del cfg["hydra"]  # its sweep keys only resolve inside a running sweep
-        config = to_config(cfg)
-    except MissingConfigException as err:
-        raise UserError(_unknown_option(err)) from None
-    except OmegaConfBaseException as err:
-        raise UserError(_describe_omegaconf(err)) from None
-    except HydraException as err:
-        cause = err.__cause__
-        if isinstance(cause, OmegaConfBaseException):
-            raise UserError(_describe_omegaconf(cause)) from None
-        raise UserError(_first_line(err)) from None
-    from ciuic_train.data import find_sources  # fails fast on a missing corpus, before any folder exists
+        config = to_config(_without_hydra(cfg))
+    if not config_only:
+        from ciuic_train.data import find_sources  # fails fast on a missing corpus, before any folder exists
 
-    find_sources(config.data)
-    _check_resume(config, Path(run_dir))
+        find_sources(config.data)
+        _check_resume(config, Path(run_dir))
     return CheckedJob(config, run_dir)
 
 
 def _check_resume(config: Config, run_dir: Path) -> None:
     """Refuse a checkpoint this run cannot continue before Hydra touches its folder."""
-    from ciuic_train.checkpoint import check_compatible, read_meta, resolve_resume, run_fingerprint
+    from ciuic_train.checkpoint import check_resumable, read_meta, resolve_resume, run_fingerprint
 
     path = resolve_resume(config.resume, run_dir)
     if path is None:
         return
     world_size = int(os.environ.get("WORLD_SIZE", config.dist.nproc_per_node))
     expected = run_fingerprint(config.model, list(config.trick), world_size)
-    check_compatible(read_meta(path), expected, config.ckpt.allow_trick_change)
+    check_resumable(read_meta(path), expected, config.ckpt.allow_trick_change)
 
 
 def _unknown_option(err: MissingConfigException) -> str:

@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ciuic_train.errors import UserError
 from ciuic_train.model.config import ModelConfig
+from ciuic_train.tricks import check_tricks
 
 
 class Device(Enum):
@@ -220,8 +221,6 @@ def validate(config: Config) -> None:
         raise UserError(f"dist.nproc_per_node={config.dist.nproc_per_node} must be at least 1")
     if config.dist.timeout_s < 1:
         raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
-    from ciuic_train.tricks import check_tricks  # imports torch: only once the config is typed
-
     check_tricks(config.trick)
     if config.sample.temperature <= 0:
         raise UserError(f"sample.temperature={config.sample.temperature} must be positive")

@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import results_console
-from ciuic_train.cli import quote_override
+from ciuic_train.launch import quote_override
 from ciuic_train.config import register_configs, to_config
 from ciuic_train.parallel import Parallel
 from ciuic_train.trainer import Trainer

@@ -1,10 +1,16 @@
 """The command as users type it: installed console script, run from a folder outside the repo."""
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from ciuic_train.cli import check_request, parse_hydra_command_line
+from ciuic_train.errors import UserError
+from ciuic_train.tricks import registry
 from conftest import run_cli
 
 SUMMARY_KEYS = {
@@ -74,6 +80,83 @@ def test_help_lists_the_config_groups(tmp_path: Path):
     assert result.returncode == 0
     for group in ("model:", "data:", "optim:"):
         assert group in result.stdout
+    assert "Usage: ciuic-train" in result.stdout and "--list-tricks" in result.stdout  # conf/config.yaml's header
+    assert "model: bench, deepseek_v2_lite, deepseek_v3, small, tiny\n" in result.stdout
+    assert "trick: async_smoothed_loss, chaotic_sampler," in result.stdout
+    assert "hydra/launcher" not in result.stdout  # Hydra's groups are --hydra-help's
+
+
+def test_help_shows_the_config_its_overrides_compose_and_refuses_a_mistake(tmp_path: Path):
+    result = run_cli("model=tiny", "train.lr=0.5", "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "name: tiny" in result.stdout and "lr: 0.5" in result.stdout
+    mistake = run_cli("model=tyny", "--help", cwd=tmp_path)
+    assert mistake.returncode == 2 and mistake.stdout == ""
+    assert mistake.stderr.strip().splitlines() == [
+        "ciuic-train: error: unknown model 'tyny' (did you mean 'tiny'?); "
+        "available: bench, deepseek_v2_lite, deepseek_v3, small, tiny"
+    ]
+
+
+def test_cfg_checks_the_config_but_not_the_corpus(tmp_path: Path):
+    """Printing a config needs no corpus yet (and no torch to look for one)."""
+    result = run_cli("--cfg", "job", "data=text", "data.path=/nonexistent", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "path: /nonexistent" in result.stdout
+    for args, expected in [
+        (["train.lr_typo=1"], "unknown config key 'train.lr_typo'"),
+        (["-m", "seed=0,1"], "--cfg prints the config of one job; leave out -m"),
+    ]:
+        mistake = run_cli("--cfg", "job", *args, cwd=tmp_path)
+        assert mistake.returncode == 2
+        (line,) = mistake.stderr.strip().splitlines()
+        assert line.startswith("ciuic-train: error: ") and expected in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, shows",
+    [(["--cfg", "job"], "max_steps: 300"), (["--list-tricks"], "chaotic_sampler"), (["--help"], "optim: adamw")],
+)
+def test_commands_that_only_print_do_not_import_torch(tmp_path: Path, args, shows):
+    """Importing torch takes longer than all these commands do without it."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ciuic_train", *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert shows in result.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "ciuic_train.cli" in imported  # the import list is there to look at
+    assert sorted(m for m in imported if m.split(".")[0] == "torch") == []
+
+
+def test_hydra_parses_the_command_line_as_we_read_it():
+    """`parse_hydra_command_line` uses Hydra's private parser (hydra-core 1.3 has no public
+    one): this fails if an upgrade renames a flag or an attribute the command reads."""
+    args, unknown = parse_hydra_command_line(
+        ["-m", "a=1", "+b=[x,y]", "--cfg", "job", "--resolve", "-p", "model", "-cn", "c", "-cp", "p", "-cd", "d", "--typo"]
+    )
+    assert args.overrides == ["a=1", "+b=[x,y]"] and unknown == ["--typo"]
+    assert args.multirun and args.cfg == "job" and args.resolve and args.package == "model"
+    assert (args.config_name, args.config_path, args.config_dir) == ("c", "p", "d")
+    assert not (args.help or args.hydra_help or args.info or args.shell_completion)
+    flags = {"-h": "help", "--help": "help", "--hydra-help": "hydra_help", "-i": "info", "--info": "info",
+             "-sc": "shell_completion", "--shell-completion": "shell_completion"}
+    for flag, attribute in flags.items():
+        assert getattr(parse_hydra_command_line([flag])[0], attribute), flag
+    assert parse_hydra_command_line([])[0].overrides == []
+
+
+def test_a_sweep_expands_as_hydra_runs_it():
+    """-m: one job per point of the product of the sweeps; glob() lists the trick group."""
+    jobs = check_request(["-m", "seed=0,1", "train.lr=1e-3,3e-3", "model=tiny"], config_only=True)
+    assert [(j.config.seed, j.config.train.lr) for j in jobs] == [(0, 1e-3), (0, 3e-3), (1, 1e-3), (1, 3e-3)]
+    jobs = check_request(["-m", "+trick=glob(*)", "model=tiny"], config_only=True)
+    assert sorted(name for job in jobs for name in job.config.trick) == sorted(registry())
+    assert all(len(job.config.trick) == 1 for job in jobs)
+    with pytest.raises(UserError, match=re.escape("'seed=interval(0,1)': an interval has no points to run")):
+        check_request(["-m", "seed=interval(0,1)"], config_only=True)
 
 
 def test_a_mistake_found_inside_the_job_removes_the_fresh_run_folder(tmp_path: Path):
@@ -88,21 +171,3 @@ def test_a_mistake_found_inside_the_job_removes_the_fresh_run_folder(tmp_path: P
     assert "model.vocab_size=256; set model.vocab_size=301 or more" in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stdout + result.stderr
     assert not run_dir.exists()
-
-
-@pytest.mark.parametrize(
-    "exit_codes, user_error",
-    [
-        ({0: 2, 1: 2}, True),
-        ({0: 2, 1: -15}, True),  # rank 1, still on its way to the same mistake, stopped by the launcher
-        ({0: 2, 1: -9}, True),
-        ({0: 2, 1: 1}, False),  # a crash beside the mistake
-        ({0: 2, 1: -11}, False),
-        ({0: -15, 1: 2}, False),  # rank 0 was stopped before it could say what was wrong
-        ({0: 1}, False),
-    ],
-)
-def test_workers_exit_as_a_user_error_only_when_rank_0_reported_one_and_no_rank_crashed(exit_codes, user_error):
-    from ciuic_train.cli import is_user_error_exit
-
-    assert is_user_error_exit(exit_codes) is user_error

@@ -116,6 +116,7 @@ def array_job_ids(sweep: Path, count: int = 1, timeout: float = 60) -> list[str]
 
 
 def test_launcher_mistakes_are_one_line_errors(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # a login node, cluster or not
     with pytest.raises(UserError, match=r"hydra/launcher=slurm acts only with -m"):
         check_request(["hydra/launcher=slurm", *TINY])
     with pytest.raises(UserError, match=r"set hydra.launcher.tasks_per_node=N instead of dist.nproc_per_node=N"):
@@ -139,7 +140,7 @@ def test_a_cancel_outranks_a_time_limit_warning():
     import torch
 
     from ciuic_train.parallel import Parallel
-    from ciuic_train.trainer import StopRequest
+    from ciuic_train.loop import StopRequest
 
     single = Parallel(DistConfig(), torch.device("cpu"))
     with StopRequest() as stop:

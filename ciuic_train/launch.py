@@ -1,0 +1,226 @@
+"""Launch paths: how the processes of one training run come to exist, and what each must do.
+
+A process finds out from its environment how it was started; each way is one subclass
+of `LaunchPath`, and `current()` picks the first class in `PATHS` whose `applies()` is
+true (or, if none is, `LaunchPath` itself: a process whose rank, if it has one, is
+already in its environment, such as a task of our Hydra launchers):
+
+- `SrunTask`: `srun -n N ciuic-train ...` inside a Slurm allocation. srun started this
+  process as one of N tasks, each one rank of one run; the rank comes from Slurm's
+  variables, and the run folder is named after the job and step.
+- `ElasticWorker`: torchrun started this process, or `ElasticLauncher` below did. Torch's
+  elastic agent set its rank; the ranks agree on one run folder through the agent's store.
+- `ElasticLauncher`: nothing gave this process a rank (a user typed `ciuic-train ...`).
+  It trains by itself, or with `dist.nproc_per_node=N` it starts N `ElasticWorker`s
+  inside the Hydra job, as torchrun would, and waits for them.
+- Hydra's launchers, `-m hydra/launcher=slurm|local`, submit each job of a sweep; they
+  live in `hydra_plugins/ciuic_train_launcher/`, where Hydra's plugin scan finds them, and
+  prepare each task's rank there before the job starts.
+
+A new launch path is one subclass here, added to `PATHS` ahead of any path whose
+`applies()` would also be true for it; nothing outside this file changes. It provides
+what `LaunchPath` declares (each default does nothing), used in this order:
+
+1. `applies()`: whether this process was started this way, from the environment only.
+2. `runs_sweeps`: False where every rank would run the whole `-m` sweep; the command
+   then refuses `-m`, calling the path by its `name`.
+3. `overrides_before_check(argv)`: Hydra overrides to add before the command is checked
+   and composed (the run folder, say); also the place to set environment that must be
+   there before torch is imported.
+4. `overrides_after_check(run_dir)`: overrides that need the run folder the check
+   resolved for the first job.
+5. `start_workers(config, run_dir)`: inside the Hydra job, start the processes that
+   train it, wait for them and return the summary they wrote (the job reads its
+   `stopped_by` and `final_val_loss`); None: this process trains.
+
+`cli.main` asks `current()` for 1-4 before Hydra runs jobs (commands that only print
+skip them), and `cli._hydra_job` for 5.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from ciuic_train.config import Config
+from ciuic_train.slurm import WORKER_OVERRIDES, Task, in_slurm_task
+
+log = logging.getLogger("ciuic_train")
+
+
+class LaunchPath:
+    """A process that trains as it is: the base every path builds on (see above)."""
+
+    name = "ciuic-train"
+    runs_sweeps = True
+
+    @classmethod
+    def applies(cls) -> bool:
+        """Whether the environment says this process was started this way."""
+        return True
+
+    def overrides_before_check(self, argv: list[str]) -> list[str]:
+        """Overrides to add to the command line `argv` before it is checked."""
+        return []
+
+    def overrides_after_check(self, run_dir: str) -> list[str]:
+        """Overrides to add once the check has resolved the first job's run folder."""
+        return []
+
+    def start_workers(self, config: Config, run_dir: Path) -> dict[str, Any] | None:
+        """Inside the job: the summary of the workers that trained it, or None to train here."""
+        return None
+
+
+class SrunTask(LaunchPath):
+    """One of N tasks that srun started directly, each one rank of one run (no torchrun inside)."""
+
+    name = "srun"
+    runs_sweeps = False
+
+    @classmethod
+    def applies(cls) -> bool:
+        # Tasks of our Hydra launchers are srun tasks too, but the launcher has prepared them.
+        return in_slurm_task() and "SUBMITIT_FOLDER" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1
+
+    def overrides_before_check(self, argv: list[str]) -> list[str]:
+        """Tasks cannot agree on a `${now:}` folder before they can talk, so unless the
+        command names one, the run folder is named after the job and step: the same on
+        every task, and again when the job is requeued."""
+        task = Task.from_slurm()
+        task.export()
+        task.limit_threads()
+        overrides = []
+        if not any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv):
+            step = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
+            overrides.append(f"hydra.run.dir={quote_override(str(Path('outputs') / f'slurm-{step}'))}")
+        return overrides + (list(WORKER_OVERRIDES) if task.rank != 0 else [])
+
+
+class ElasticWorker(LaunchPath):
+    """A worker that torch's elastic agent started: torchrun, or `ElasticLauncher`."""
+
+    name = "torchrun"
+    runs_sweeps = False
+
+    @classmethod
+    def applies(cls) -> bool:
+        return "TORCHELASTIC_RUN_ID" in os.environ
+
+    def overrides_after_check(self, run_dir: str) -> list[str]:
+        """One run folder for all ranks, written by rank 0 only.
+
+        Each rank composes its own config, and `${now:}` can differ between them, so the
+        folder is agreed through the elastic agent's store: the first rank to propose one
+        wins, and a restarted worker group finds the same folder again.
+        """
+        overrides = [f"hydra.run.dir={quote_override(_agree_run_dir(run_dir))}"]
+        if int(os.environ.get("RANK", 0)) != 0:
+            overrides += WORKER_OVERRIDES
+        return overrides
+
+
+class ElasticLauncher(LaunchPath):
+    """A process no launcher gave a rank: with `dist.nproc_per_node=N` > 1 it starts N
+    workers on this job's config and folder through torch's elastic launcher, as torchrun
+    would, instead of training itself."""
+
+    @classmethod
+    def applies(cls) -> bool:
+        return "WORLD_SIZE" not in os.environ
+
+    def start_workers(self, config: Config, run_dir: Path) -> dict[str, Any] | None:
+        nproc = config.dist.nproc_per_node
+        if nproc == 1:
+            return None
+        import uuid
+
+        from hydra.core.hydra_config import HydraConfig
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        # Like torchrun, keep N processes from each starting one thread per core.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        overrides = [
+            *HydraConfig.get().overrides.task,
+            f"hydra.run.dir={quote_override(str(run_dir.absolute()))}",
+            "hydra.output_subdir=null",  # this process already wrote .hydra/
+        ]
+        launch = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            max_restarts=config.dist.max_restarts,
+            monitor_interval=0.5,
+        )
+        log.info(f"starting {nproc} workers (torch elastic launcher) in {run_dir}")
+        try:
+            elastic_launch(launch, sys.executable)("-m", "ciuic_train", *overrides)
+        except ChildFailedError as err:
+            exit_codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+            if is_user_error_exit(exit_codes):
+                raise SystemExit(2) from None  # rank 0 has already said what the mistake was
+            failed = ", ".join(f"rank {rank} exit code {code}" for rank, code in sorted(exit_codes.items()))
+            raise WorkersFailed(f"workers failed ({failed}); see {run_dir / 'train.log'}") from None
+        summary = run_dir / "summary.json"
+        if not summary.is_file():  # rank 0 writes none when a signal stopped the run after a save
+            return {"stopped_by": "a signal", "final_val_loss": float("nan")}
+        return json.loads(summary.read_text())
+
+
+# Checked in this order: a torchrun worker inside a Slurm job is an ElasticWorker, not an SrunTask.
+PATHS: tuple[type[LaunchPath], ...] = (SrunTask, ElasticWorker, ElasticLauncher)
+
+
+def current() -> LaunchPath:
+    """How this process was started."""
+    return next((path() for path in PATHS if path.applies()), LaunchPath())
+
+
+class WorkersFailed(Exception):
+    """Workers this process started crashed; the message names each failed rank."""
+
+
+def is_user_error_exit(exit_codes: dict[int, int]) -> bool:
+    """Whether failed workers' exit codes by rank mean a user mistake, not a crash.
+
+    Rank 0 exits 2 after saying what was wrong. The other ranks hit the same mistake, but
+    one still on its way there when rank 0 exits is stopped by the launcher (SIGTERM, then
+    SIGKILL), which is no crash of its own.
+    """
+    stopped = {2, -signal.SIGTERM, -signal.SIGKILL}
+    return exit_codes.get(0) == 2 and all(code in stopped for code in exit_codes.values())
+
+
+def _agree_run_dir(proposal: str) -> str:
+    """The first proposal any rank of this worker group made (our own, without an agent store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return proposal
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    key = f"ciuic_train/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
+    return store.compare_set(key, "", str(Path(proposal).absolute())).decode()
+
+
+def quote_override(value: str) -> str:
+    """A value that Hydra's override parser reads back verbatim (paths may hold spaces or '=').
+
+    In a quoted value Hydra reads a backslash as itself, except in a run right before a
+    quote or the closing quote: there each pair stands for one, and an odd one escapes the quote.
+    """
+    escaped = re.sub(r"(\\*)('|\Z)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), value)
+    return f"'{escaped}'"
