@@ -207,19 +207,7 @@ class Trainer:
                     with throughput.paused():
                         self.save_checkpoint()
                 if self.cadence.logs(self.step, evaluated, stopping=stopped_by is not None):
-                    record = {
-                        "step": self.step,
-                        # The mean over ranks of each rank's mean loss since the last log line.
-                        "loss": self.parallel.mean(sum(losses_since_log) / len(losses_since_log)),
-                        "lr": figures["lr"],
-                        "grad_norm": figures["grad_norm"],
-                        "moe_imbalance": figures["moe_imbalance"],
-                        "tokens_per_s": throughput.window_rate(),
-                        "elapsed_s": throughput.elapsed_s(),
-                        **({"val_loss": last_val} if evaluated else {}),
-                        "checkpoints": self.checkpointer.saves,
-                        **self.tricks.metrics(),
-                    }
+                    record = self._record(figures, losses_since_log, throughput, last_val if evaluated else None)
                     metrics.write(record)
                     progress.report(record)
                     last_logged_loss = record["loss"]
@@ -229,7 +217,31 @@ class Trainer:
                 inject_fault(self.config.fault, self.parallel.info.rank, self.step)
         metrics.close()
         self.tricks.close()
-        return self._finish(throughput, last_logged_loss, last_val, stopped_by)
+        run = {
+            "stopped_by": stopped_by,
+            "final_train_loss": last_logged_loss,
+            "final_val_loss": last_val,
+            "tokens_per_s": throughput.run_rate(),
+            "wall_s": throughput.elapsed_s(),
+        }
+        return self._finish(run)
+
+    def _record(self, figures: dict[str, float], losses_since_log: list[float], throughput: Throughput,
+                val_loss: float | None) -> dict[str, Any]:
+        """One line of metrics.jsonl: this step's figures, the window's mean loss and speed."""
+        return {
+            "step": self.step,
+            # The mean over ranks of each rank's mean loss since the last log line.
+            "loss": self.parallel.mean(sum(losses_since_log) / len(losses_since_log)),
+            "lr": figures["lr"],
+            "grad_norm": figures["grad_norm"],
+            "moe_imbalance": figures["moe_imbalance"],
+            "tokens_per_s": throughput.window_rate(),
+            "elapsed_s": throughput.elapsed_s(),
+            **({"val_loss": val_loss} if val_loss is not None else {}),
+            "checkpoints": self.checkpointer.saves,
+            **self.tricks.metrics(),
+        }
 
     def _log_start(self) -> None:
         n_params, n_active = count_parameters(self.model)
@@ -239,20 +251,16 @@ class Trainer:
             f"data {self.data.description}: {len(self.data.train):,} train / {len(self.data.val):,} val tokens"
         )
 
-    def _finish(self, throughput: Throughput, final_train_loss: float, final_val_loss: float,
-                stopped_by: str | None) -> dict[str, Any]:
-        """Check that the replicas agree, then write the summary (unless a signal stopped the run)."""
+    def _finish(self, run: dict[str, Any]) -> dict[str, Any]:
+        """Check that the replicas agree, then write the summary of the `run`'s figures
+        (unless a signal stopped it)."""
         checksum = param_checksum(self.model)
         self.parallel.require_same(checksum, "param_checksum")
         n_params, n_active = count_parameters(self.model)
         summary = {
             "steps": self.step,
-            "stopped_by": stopped_by,
-            "final_train_loss": final_train_loss,
-            "final_val_loss": final_val_loss,
+            **run,
             "unigram_entropy": unigram_entropy(self.data.train, self.data.vocab_size),
-            "tokens_per_s": throughput.run_rate(),
-            "wall_s": throughput.elapsed_s(),
             "world_size": self.parallel.world_size,
             "strategy": self.parallel.strategy.value,
             "tricks": self.tricks.names,
@@ -268,9 +276,9 @@ class Trainer:
             "checkpoint_seconds": self.checkpointer.seconds,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
-        if self.parallel.is_main and stopped_by:
+        if self.parallel.is_main and run["stopped_by"]:
             log.warning(
-                f"stopped by {stopped_by} after step {self.step}; checkpoint saved; continue with "
+                f"stopped by {run['stopped_by']} after step {self.step}; checkpoint saved; continue with "
                 f"resume=auto hydra.run.dir={self.run_dir}"
             )
         elif self.parallel.is_main:
