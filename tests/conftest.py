@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 
 from ciuic_train.config import Config, register_configs, to_config
@@ -44,3 +45,12 @@ def text_corpus(tmp_path: Path) -> Path:
     for i in range(40):
         (folder / f"doc{i:02d}.txt").write_text(f"# document {i}\n" + line * (20 + i))
     return folder
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads, and two threads on a busy 2-core box crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

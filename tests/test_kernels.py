@@ -20,15 +20,7 @@ from ciuic_train.model.kernels import AUTO, attention, loss, moe, norm
 from ciuic_train.model.kernels.softmax import softmax_fp32
 
 REPO = Path(__file__).parents[1]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and two threads on a busy 2-core box crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def tiny_model(seed: int = 0, **overrides) -> Transformer:

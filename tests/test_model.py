@@ -22,17 +22,9 @@ from ciuic_train.model.deepseek import (
 )
 
 REPO = Path(__file__).parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 KERNELS = ["auto", "reference"]
 PRESETS = ["tiny", "small", "bench", "deepseek_v2_lite", "deepseek_v3"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and two threads on a busy 2-core box crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def load_preset(name: str, **overrides) -> ModelConfig:
