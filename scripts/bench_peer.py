@@ -20,7 +20,7 @@ Peak memory: each variant trains 10 steps in a fresh subprocess that first impor
 stacks; the figure is the growth of its peak RSS (VmHWM) past that point.
 
 Besides `ours` (`model.kernels=auto`), `ours_reference` times the plain formulas
-(`model.kernels=reference`), and `--baseline REV` adds `ours@REV`: the model file of git
+(`model.kernels=reference`), and `--baseline REV` adds `ours@REV`: the model package of git
 revision REV, loaded beside today's, so a change to the model is measured side by side
 with the code before it, in the same rounds.
 
@@ -32,10 +32,13 @@ with the code before it, in the same rounds.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import atexit
+import importlib
 import json
 import os
+import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,16 +118,23 @@ def peer_model(cfg: ModelConfig, experts: str) -> torch.nn.Module:
 
 @lru_cache(maxsize=None)
 def model_module_at(revision: str):
-    """ciuic_train/model/deepseek.py as of a git revision, imported under a name of its own."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:ciuic_train/model/deepseek.py"], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / f"deepseek_at_{revision}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The model of a git revision, beside today's: its `ciuic_train/model/` package (the
+    model file and, from the split on, the kernels it imports) copied out of git under a
+    package name of its own, its imports of `ciuic_train.model` pointed at the copy."""
+    package = "model_at_" + re.sub(r"\W", "_", revision)
+    root = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
+
+    for name in git("ls-tree", "-r", "--name-only", revision, "ciuic_train/model/").split():
+        if name.endswith(".py"):
+            target = root / package / Path(name).relative_to("ciuic_train/model")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(git("show", f"{revision}:{name}").replace("ciuic_train.model", package))
+    sys.path.insert(0, str(root))
+    return importlib.import_module(f"{package}.deepseek")
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -302,7 +312,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also time our model with compile=true (fp32)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    parser.add_argument("--baseline", metavar="REV", help="also time our model file as of this git revision")
+    parser.add_argument("--baseline", metavar="REV", help="also time our model (ciuic_train/model/) as of this git revision")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     return parser.parse_args()
