@@ -36,6 +36,11 @@ class ModelConfig:
     n_routed_experts: int = 4
     n_shared_experts: int = 1
     n_activated_experts: int = 2
+    # Group-limited routing (DeepSeek-V2 device-limited, V3 node-limited): experts form
+    # n_expert_groups equal groups and each token picks its top-k only from its
+    # n_limited_groups best groups, bounding how many devices/nodes it is sent to. 1/1 = off.
+    n_expert_groups: int = 1
+    n_limited_groups: int = 1
     score_func: str = "softmax"
     norm_topk_prob: bool = False
     route_scale: float = 1.0
@@ -55,6 +60,7 @@ class ModelConfig:
             "vocab_size dim n_layers n_heads kv_lora_rank qk_nope_head_dim qk_rope_head_dim"
             " v_head_dim dense_ffn_dim moe_ffn_dim n_routed_experts n_activated_experts"
             " max_seq_len route_scale rope_theta norm_eps init_std"
+            " n_expert_groups n_limited_groups"
         ).split()
         for field in positive:
             if getattr(self, field) <= 0:
@@ -75,6 +81,22 @@ class ModelConfig:
             raise ValueError(
                 f"model.n_activated_experts={self.n_activated_experts} must be at most "
                 f"n_routed_experts={self.n_routed_experts}"
+            )
+        if self.n_routed_experts % self.n_expert_groups:
+            raise ValueError(
+                f"model.n_expert_groups={self.n_expert_groups} must divide "
+                f"n_routed_experts={self.n_routed_experts}"
+            )
+        if self.n_limited_groups > self.n_expert_groups:
+            raise ValueError(
+                f"model.n_limited_groups={self.n_limited_groups} must be at most "
+                f"n_expert_groups={self.n_expert_groups}"
+            )
+        experts_per_group = self.n_routed_experts // self.n_expert_groups
+        if self.n_limited_groups * experts_per_group < self.n_activated_experts:
+            raise ValueError(
+                f"model.n_limited_groups={self.n_limited_groups} groups must hold at least "
+                f"n_activated_experts={self.n_activated_experts} experts (each holds {experts_per_group})"
             )
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(

@@ -231,6 +231,8 @@ class MoE(nn.Module):
         super().__init__()
         self.n_routed_experts = cfg.n_routed_experts
         self.n_activated_experts = cfg.n_activated_experts
+        self.n_expert_groups = cfg.n_expert_groups
+        self.n_limited_groups = cfg.n_limited_groups
         self.score_func = cfg.score_func
         self.norm_topk_prob = cfg.norm_topk_prob
         self.route_scale = cfg.route_scale
@@ -257,7 +259,18 @@ class MoE(nn.Module):
         """For tokens x[N, dim], return (gate weights [N, k] fp32, expert indices [N, k])."""
         logits = self.gate(x).float()
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
-        indices = (scores + self.expert_bias).topk(self.n_activated_experts, dim=-1).indices
+        choice = scores + self.expert_bias
+        if self.n_expert_groups > 1:
+            # Group-limited routing, as DeepSeek-V3 (and transformers' DeepseekV3TopkRouter):
+            # a group scores the sum of its top-2 choice scores, and the top-k experts come
+            # only from the n_limited_groups best groups. The others are masked to -inf, not
+            # 0, so that a negative biased score in a kept group still beats them.
+            grouped = choice.view(-1, self.n_expert_groups, self.n_routed_experts // self.n_expert_groups)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [N, G]
+            kept = group_scores.topk(self.n_limited_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        indices = choice.topk(self.n_activated_experts, dim=-1).indices
         weights = scores.gather(-1, indices)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -437,7 +450,7 @@ def count_parameters(model: Transformer) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     inactive = 0
     for moe in model.moe_layers().values():
-        per_expert = moe.w13[0].numel() + moe.w2[0].numel()
+        per_expert = moe.w13.shape[1:].numel() + moe.w2.shape[1:].numel()
         inactive += per_expert * (moe.n_routed_experts - moe.n_activated_experts)
     return total, total - inactive
 
