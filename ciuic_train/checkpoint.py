@@ -5,7 +5,8 @@ Layout of one checkpoint, `<run dir>/checkpoints/step_<N>/`:
   rank writes its own shards, replicated DDP state is written once;
 - `rank<R>.json`: what differs between ranks or is not a tensor: step, data position,
   every RNG stream, each trick's state;
-- `meta.json`: what a resume must agree with (model shape, tricks, world size).
+- `meta.json`: what a resume must agree with (model shape, tricks), and what it needs to
+  continue on another number of ranks (the data position of the whole world).
 
 A checkpoint is written under a temporary name and renamed once every rank has
 finished, so a crash mid-save leaves only a `.tmp-*` folder that nothing reads, and the
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ciuic_train.errors import UserError
 from ciuic_train.files import written_atomically
-from ciuic_train.model.config import IMPLEMENTATION_FIELDS
+from ciuic_train.model.config import IMPLEMENTATION_FIELDS, ModelConfig
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -138,14 +139,16 @@ class Checkpointer:
         self.seconds += time.perf_counter() - tic
         return final
 
-    def load(self, path: Path, model, optimizer) -> dict[str, Any]:
-        """Restore model and optimizer in place; return this rank's JSON state."""
+    def load(self, path: Path, model, optimizer, state_of_rank: int | None = None) -> dict[str, Any]:
+        """Restore model and optimizer in place; return the JSON state of rank `state_of_rank`
+        (default this rank's; another when the checkpoint was written by a different world)."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         try:
             with _single_process_is_fine():
                 dcp.load(state, checkpoint_id=str(path))
-            rank_state = json.loads((path / f"rank{self.rank}.json").read_text())
+            rank = self.rank if state_of_rank is None else state_of_rank
+            rank_state = json.loads((path / f"rank{rank}.json").read_text())
         except (Exception, CheckpointException) as err:  # DCP's own derives from BaseException
             raise _damaged(path, err) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -166,9 +169,11 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def run_fingerprint(model_config, trick_names: list[str], world_size: int) -> dict[str, Any]:
-    """What a checkpoint must agree with to be resumed: model shape, tricks, world size.
+    """What a checkpoint must agree with to be resumed: model shape and tricks; and the
+    world size, which may differ where the state is reshardable (`check_resumable`).
 
-    Fields that change only how the model is computed (`model.kernels`) are left out.
+    Fields that change only how the model is computed (`model.kernels`) are left out, and
+    so is the mesh: DCP reshards tensors to any layout.
     """
     model = {k: v for k, v in asdict(model_config).items() if k not in IMPLEMENTATION_FIELDS}
     return {"model": model, "tricks": sorted(trick_names), "world_size": world_size}
@@ -177,16 +182,13 @@ def run_fingerprint(model_config, trick_names: list[str], world_size: int) -> di
 def check_resumable(meta: dict[str, Any], expected: dict[str, Any], allow_trick_change: bool) -> None:
     """Refuse a checkpoint from a run this one cannot continue, naming the difference."""
     saved_model, model = meta["model"], expected["model"]
+    predated = asdict(ModelConfig())  # a field newer than the checkpoint: it ran with the default
     for key in model:
-        if saved_model.get(key) != model[key]:
-            raise UserError(
-                f"checkpoint model differs: model.{key} is {saved_model.get(key)!r} there, {model[key]!r} now"
-            )
+        saved = saved_model.get(key, predated.get(key))
+        if saved != model[key]:
+            raise UserError(f"checkpoint model differs: model.{key} is {saved!r} there, {model[key]!r} now")
     if meta["world_size"] != expected["world_size"]:
-        raise UserError(
-            f"checkpoint was written by {meta['world_size']} ranks, this run has {expected['world_size']}: "
-            "its data position and per-rank state cannot be resharded; resume with the same world size"
-        )
+        _check_reshardable(meta, expected["world_size"])
     if meta["tricks"] != expected["tricks"] and not allow_trick_change:
         raise UserError(
             f"checkpoint tricks {meta['tricks']} differ from this run's {expected['tricks']}; "
@@ -194,9 +196,32 @@ def check_resumable(meta: dict[str, Any], expected: dict[str, Any], allow_trick_
         )
 
 
+def _check_reshardable(meta: dict[str, Any], world_size: int) -> None:
+    """A checkpoint resumes on another number of ranks when its per-rank state can be split anew.
+
+    Tensors always can: DCP stores global tensors, whatever the mesh that wrote them. The
+    data position can when the windows consumed so far this epoch divide among the new
+    ranks (`WindowSampler.global_position`). Tricks keep state per rank, which cannot.
+    """
+    written = f"checkpoint was written by {meta['world_size']} ranks, this run has {world_size}"
+    if meta["tricks"]:
+        raise UserError(
+            f"{written}: the state of its tricks ({', '.join(meta['tricks'])}) is per rank and cannot be "
+            f"resharded; resume on {meta['world_size']} ranks"
+        )
+    data = meta.get("data")
+    if data is None:
+        raise UserError(f"{written}: it predates resharding (no data position); resume on {meta['world_size']} ranks")
+    if data["windows"] % world_size:
+        raise UserError(
+            f"{written}: the {data['windows']} windows consumed in its epoch do not split evenly over "
+            f"{world_size} ranks; resume on a number of ranks that divides {data['windows']}"
+        )
+
+
 def export_model(path: Path, out: Path) -> Path:
     """One consolidated file of model weights plus the model config, loadable without distributed."""
-    from ciuic_train.model import ModelConfig, Transformer
+    from ciuic_train.model import Transformer
 
     meta = read_meta(path)
     model_config = ModelConfig(**meta["model"])

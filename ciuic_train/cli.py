@@ -41,7 +41,9 @@ from omegaconf.errors import OmegaConfBaseException
 from ciuic_train import launch
 from ciuic_train.config import Config, register_configs, to_config
 from ciuic_train.errors import UserError
+from ciuic_train.mesh import refuse_comm_hook, resolve_mesh
 from ciuic_train.slurm import end_stopped_task, in_slurm_task
+from ciuic_train.tricks import trick_classes
 
 PROG = "ciuic-train"
 CONFIG_MODULE = "ciuic_train.conf"
@@ -79,7 +81,7 @@ def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> di
         logging.getLogger().addHandler(_rank_log_handler(run_dir / f"rank{info.rank}.log"))
     parallel, finished = None, False
     try:
-        parallel = Parallel(config.dist, resolve_device(config.device, info.local_rank))
+        parallel = Parallel(config.dist, resolve_device(config.device, info.local_rank), config.model.n_routed_experts)
         _require_same_config(parallel, cfg)
         trainer = Trainer(config, run_dir, parallel)
         summary = trainer.fit()
@@ -310,7 +312,7 @@ def check_request(
                 f"-m under {path.name} would run the whole sweep on every rank; "
                 f"sweep distributed jobs with {PROG} -m ... dist.nproc_per_node=N instead"
             )
-        checked = [_check_job(job, config_only) for job in jobs]
+        checked = [_check_job(job, config_only, check_mesh=launcher is None) for job in jobs]
     if launcher and any(job.config.dist.nproc_per_node > 1 for job in checked):
         raise UserError(
             f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
@@ -409,11 +411,20 @@ def _check_launcher(parsed: list[Override], multirun: bool) -> str | None:
     return chosen[0] if chosen else None
 
 
-def _check_job(overrides: list[str], config_only: bool) -> CheckedJob:
+def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True) -> CheckedJob:
+    """`check_mesh`: whether this process knows the world size (not so where a Slurm
+    launcher will decide it: each task checks its own mesh when it starts)."""
     with _as_user_errors():
         cfg = hydra.compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=True)
         run_dir = str(cfg.hydra.run.dir)
         config = to_config(_without_hydra(cfg))
+    if not config_only and check_mesh:
+        world_size = int(os.environ.get("WORLD_SIZE", config.dist.nnodes * config.dist.nproc_per_node))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", config.dist.nproc_per_node))
+        shape = resolve_mesh(config.dist, world_size, local_world_size, config.model.n_routed_experts)
+        for trick in trick_classes(config.trick):
+            if "comm_hook" in trick.claimed_seams():
+                refuse_comm_hook(trick.name, shape)
     if not config_only:
         from ciuic_train.data import find_sources  # fails fast on a missing corpus, before any folder exists
 

@@ -32,12 +32,16 @@ class Precision(Enum):
 
 
 class Strategy(Enum):
-    """How the model is replicated across ranks; `auto` is ddp when world size > 1, else none."""
+    """A shorthand for the device mesh (ciuic_train/mesh.py); `auto` takes dist.dp_* as given.
+
+    ddp: replicas only; fsdp: shards only; hsdp: shards within a node, replicas across.
+    """
 
     auto = "auto"
     none = "none"
     ddp = "ddp"
     fsdp = "fsdp"
+    hsdp = "hsdp"
 
 
 class Backend(Enum):
@@ -101,9 +105,18 @@ class TrainConfig:
 class DistConfig:
     strategy: Strategy = Strategy.auto
     backend: Backend = Backend.auto
+    # The device mesh (ciuic_train/mesh.py); -1 takes what the world size leaves. The
+    # defaults are DDP over every rank; dp_shard>1 shards with FSDP2 (HSDP when
+    # dp_replicate>1 too); ep>1 splits the routed experts over that many shard ranks.
+    dp_replicate: int = -1
+    dp_shard: int = 1
+    ep: int = 1
     # >1: `ciuic-train` starts this many workers itself through torch's elastic launcher
     # (as torchrun would); under torchrun it is ignored and the environment decides.
     nproc_per_node: int = 1
+    # Nodes the job spans, for --plan's per-rank figures; torchrun and Slurm decide the
+    # real world size.
+    nnodes: int = 1
     # Worker-group restarts the CLI's launcher allows (torchrun: --max-restarts).
     max_restarts: int = 0
     # Seconds a collective may wait: a dead rank makes the others fail instead of hang.
@@ -219,6 +232,8 @@ def validate(config: Config) -> None:
         raise UserError(f"ckpt.keep_last={config.ckpt.keep_last} must be at least 1")
     if config.dist.nproc_per_node < 1:
         raise UserError(f"dist.nproc_per_node={config.dist.nproc_per_node} must be at least 1")
+    if config.dist.nnodes < 1:
+        raise UserError(f"dist.nnodes={config.dist.nnodes} must be at least 1")
     if config.dist.timeout_s < 1:
         raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
     check_tricks(config.trick)

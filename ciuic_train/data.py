@@ -228,7 +228,7 @@ class WindowSampler:
     def next_indices(self, batch_size: int) -> torch.Tensor:
         taken = []
         while batch_size > 0:
-            if self.position == len(self._share):
+            if self.position >= len(self._share):  # >=: a resharded position can land past a shorter share
                 self.epoch += 1
                 self.position = 0
                 self._share = self._epoch_share()
@@ -240,6 +240,15 @@ class WindowSampler:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
+
+    def global_position(self) -> dict:
+        """Where all ranks together are: every rank has taken `position` windows of its
+        strided share, so the world has taken the epoch's first `position * world_size`."""
+        return {"epoch": self.epoch, "windows": self.position * self.world_size}
+
+    def share_of(self, global_position: dict) -> dict:
+        """This rank's state for a `global_position`, possibly written by another world size."""
+        return {"epoch": global_position["epoch"], "position": global_position["windows"] // self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ciuic_train.config import Backend, DistConfig, Strategy
+from ciuic_train.config import Backend, DistConfig
 from ciuic_train.errors import UserError
+from ciuic_train.mesh import Mesh, resolve_mesh
 
 log = logging.getLogger("ciuic_train")
 
@@ -33,13 +34,16 @@ class RankInfo:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 1
 
     @classmethod
     def from_env(cls) -> "RankInfo":
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
         return cls(
             int(os.environ.get("RANK", 0)),
             int(os.environ.get("LOCAL_RANK", 0)),
-            int(os.environ.get("WORLD_SIZE", 1)),
+            world_size,
+            int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         )
 
     @property
@@ -47,35 +51,30 @@ class RankInfo:
         return self.rank == 0
 
 
-def resolve_strategy(cfg: DistConfig, world_size: int) -> Strategy:
-    if cfg.strategy is Strategy.auto:
-        return Strategy.ddp if world_size > 1 else Strategy.none
-    if cfg.strategy is Strategy.none and world_size > 1:
-        raise UserError(
-            f"dist.strategy=none with world size {world_size} would train unsynchronised replicas; use ddp or fsdp"
-        )
-    return cfg.strategy
-
-
 class Parallel:
-    """The process group (if any) and the collectives the trainer needs."""
+    """The process group (if any), the device mesh, and the collectives the trainer needs."""
 
-    def __init__(self, cfg: DistConfig, device: torch.device):
+    def __init__(self, cfg: DistConfig, device: torch.device, n_routed_experts: int):
         self.info = RankInfo.from_env()
-        self.strategy = resolve_strategy(cfg, self.info.world_size)
+        shape = resolve_mesh(cfg, self.info.world_size, self.info.local_world_size, n_routed_experts)
         self.device = device
         self.group_started = False
-        if self.strategy is Strategy.none:
-            return
-        backend = cfg.backend.value if cfg.backend is not Backend.auto else (
-            "nccl" if device.type == "cuda" else "gloo"
-        )
-        if backend == "nccl" and device.type != "cuda":
-            raise UserError("dist.backend=nccl needs device=cuda; use dist.backend=gloo on CPU")
-        if not dist.is_initialized():
-            timeout = timedelta(seconds=cfg.timeout_s)
-            dist.init_process_group(backend, timeout=timeout, **_attempt_store(self.info, timeout))
-            self.group_started = True
+        if shape.world_size > 1:
+            backend = cfg.backend.value if cfg.backend is not Backend.auto else (
+                "nccl" if device.type == "cuda" else "gloo"
+            )
+            if backend == "nccl" and device.type != "cuda":
+                raise UserError("dist.backend=nccl needs device=cuda; use dist.backend=gloo on CPU")
+            if not dist.is_initialized():
+                timeout = timedelta(seconds=cfg.timeout_s)
+                dist.init_process_group(backend, timeout=timeout, **_attempt_store(self.info, timeout))
+                self.group_started = True
+        self.mesh = Mesh(shape, device)
+
+    @property
+    def strategy(self) -> str:
+        """none, ddp, fsdp or hsdp (see `MeshShape.strategy`)."""
+        return self.mesh.strategy
 
     @property
     def world_size(self) -> int:
@@ -87,9 +86,9 @@ class Parallel:
 
     def grad_sync(self, model: nn.Module, enabled: bool):
         """Context for one micro-batch's backward: gradients are reduced only when enabled."""
-        if self.strategy is Strategy.ddp and not enabled:
+        if self.strategy == "ddp" and not enabled:
             return model.no_sync()
-        if self.strategy is Strategy.fsdp:
+        if self.strategy in ("fsdp", "hsdp"):
             return _fsdp_sync(model, enabled)
         return nullcontext()
 
@@ -177,6 +176,53 @@ def full_value(tensor: torch.Tensor) -> float:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).item()
 
 
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so their global L2 norm is at most `max_norm`; returns the norm.
+
+    torch's `clip_grad_norm_` stacks the per-parameter norms, which fails when gradients
+    are DTensors on different meshes (the experts under expert parallelism). Here each
+    group of gradients that share a mesh and placement sums its local squares, and one
+    reduction over that mesh's sharded dimensions makes the group's total. Plain tensors
+    (one process, or DDP's already averaged gradients) take torch's own path.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    groups: dict[Any, list[DTensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            groups.setdefault((g.device_mesh, g.placements), []).append(g)
+    if not groups:
+        return full_value(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    squares = torch.nn.utils.get_total_norm(plain).pow(2) if plain else torch.zeros((), device=grads[0].device)
+    for (mesh, placements), members in groups.items():
+        local = sum(torch.linalg.vector_norm(g.to_local(), dtype=torch.float32).pow(2) for g in members)
+        partial = [Partial() if p.is_shard() else Replicate() for p in placements]
+        squares = squares + DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
+    total = squares.sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grads_with_norm_
+    for members in [plain, *groups.values()]:
+        if members:
+            torch._foreach_mul_(members, scale)
+    return total.item()
+
+
+def param_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of parameters this rank stores: routed experts, and the rest (shards only,
+    under FSDP or expert parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    from ciuic_train.expert_parallel import expert_parameters
+
+    experts = expert_parameters(model)
+    stored = {"experts": 0, "other": 0}
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        stored["experts" if param in experts else "other"] += local.numel() * local.element_size()
+    return stored
+
+
 def param_checksum(model: nn.Module) -> str:
     """A hash of every parameter's name and full bytes: equal only for bit-identical weights.
 
@@ -185,9 +231,17 @@ def param_checksum(model: nn.Module) -> str:
     """
     from torch.distributed.tensor import DTensor
 
+    # Gathering an expert (sharded over efsdp, then ep) takes two all-gathers, which torch
+    # warns about as slow; once at the end of a run it does not matter.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
     digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters()):
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+    try:
+        params = [(name, p.full_tensor() if isinstance(p, DTensor) else p) for name, p in sorted(model.named_parameters())]
+    finally:
+        redistribute_log.setLevel(level)
+    for name, full in params:
         digest.update(name.encode())
         digest.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]

@@ -1,12 +1,18 @@
 """One step that turns a freshly built model into what the training step calls.
 
-`parallelize` applies, in this order:
+`parallelize(model, mesh, config)` applies, in this order:
 
-1. activation checkpointing, per transformer block (`activation_checkpointing=true`);
-2. `torch.compile`, per block (`compile=true`), so a compiled block also compiles its
+1. expert parallelism (`dist.ep > 1`): each rank keeps its slice of the routed experts
+   and the MoE dispatches tokens to them (ciuic_train/expert_parallel.py);
+2. activation checkpointing, per transformer block (`activation_checkpointing=true`);
+3. `torch.compile`, per block (`compile=true`), so a compiled block also compiles its
    recomputation;
-3. data parallelism: DDP replicas (`dist.strategy=ddp`, with a trick's communication
-   hook if one claims it) or FSDP2 shards (`fully_shard` per block, then the root).
+4. data parallelism over the mesh (ciuic_train/mesh.py): DDP replicas when
+   `dp_shard=1` (with a trick's communication hook if one claims it), else FSDP2
+   (`fully_shard` per block, then the root; HSDP when `dp_replicate > 1`). Under FSDP2
+   the routed experts are sharded over the ranks that hold the same experts, everything
+   else over all shard ranks. On CUDA with `precision=bf16`, FSDP2 gathers parameters in
+   bf16 and reduces gradients in fp32.
 
 The order is the one torchtitan settled on: the wrappers that change what a block
 computes come first, and sharding last, so FSDP sees the blocks it must gather as they
@@ -23,38 +29,39 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ciuic_train.config import Config, Strategy
-from ciuic_train.errors import UserError
+from ciuic_train.config import Config, Precision
+from ciuic_train.mesh import refuse_comm_hook
 
 if TYPE_CHECKING:
-    from ciuic_train.parallel import Parallel
+    from ciuic_train.mesh import Mesh
     from ciuic_train.tricks import CommHook
 
 log = logging.getLogger("ciuic_train")
 
 
-def parallelize(model: nn.Module, config: Config, parallel: Parallel, comm_hook: CommHook | None = None) -> nn.Module:
-    """Wrap `model` as the config asks; returns the module the training step calls.
+def parallelize(model: nn.Module, mesh: Mesh, config: Config, comm_hook: CommHook | None = None) -> nn.Module:
+    """Wrap `model` as the mesh and config ask; returns the module the training step calls.
 
     That is DDP's wrapper under `ddp`, else `model` itself (FSDP2 shards it in place).
     Checkpoints, counts and sampling keep using `model`.
     """
+    if mesh.shape.ep > 1:
+        from ciuic_train.expert_parallel import shard_experts
+
+        shard_experts(model, mesh.experts())
     if config.activation_checkpointing:
         for block in model.layers:
             checkpoint_activations(block)
     if config.compile:
         for block in model.layers:
             block.compile()
-    if parallel.strategy is Strategy.ddp:
-        return replicate(model, parallel.device, comm_hook)
+    if mesh.strategy == "ddp":
+        return replicate(model, mesh, comm_hook)
     if comm_hook is not None:
-        if parallel.strategy is Strategy.fsdp:
-            raise UserError(
-                f"trick {comm_hook.trick} needs DDP's communication hook, which dist.strategy=fsdp does not have"
-            )
+        refuse_comm_hook(comm_hook.trick, mesh.shape)
         log.warning(f"trick {comm_hook.trick}: world size 1, no gradient all-reduce to act on")
-    if parallel.strategy is Strategy.fsdp:
-        shard(model)
+    if mesh.strategy in ("fsdp", "hsdp"):
+        shard(model, mesh, bf16=config.precision is Precision.bf16)
     return model
 
 
@@ -74,7 +81,7 @@ def checkpoint_activations(block: nn.Module) -> None:
     block.forward = recomputed_forward
 
 
-def replicate(model: nn.Module, device: torch.device, comm_hook: CommHook | None) -> nn.Module:
+def replicate(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None) -> nn.Module:
     """DDP: every rank a full replica, gradients all-reduced in buckets during backward."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -82,18 +89,54 @@ def replicate(model: nn.Module, device: torch.device, comm_hook: CommHook | None
     # its own until `balance_experts` all-reduces them.
     newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     no_buffer_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
-    device_ids = [device.index] if device.type == "cuda" else None
-    replica = DistributedDataParallel(model, device_ids=device_ids, **no_buffer_sync)
+    device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
+    replica = DistributedDataParallel(
+        model, device_ids=device_ids, process_group=mesh.replicas().get_group(), **no_buffer_sync
+    )
     if comm_hook is not None:
         replica.register_comm_hook(comm_hook.state, comm_hook.hook)
     return replica
 
 
-def shard(model: nn.Module) -> None:
+def shard(model: nn.Module, mesh: Mesh, bf16: bool) -> None:
     """FSDP2: each block's parameters sharded across ranks and gathered when it runs; then
-    the rest (embedding, final norm, lm head) as the root."""
-    from torch.distributed.fsdp import fully_shard
+    the rest (embedding, final norm, lm head) as the root.
 
+    Under expert parallelism the experts are DTensors split over `ep`; FSDP shards them
+    further over the ranks that hold the same experts (`Mesh.expert_copies`), through a
+    per-parameter placement, and averages their gradients there (scaled for that by
+    `ExpertDispatch`). A divide factor of the world size set on the blocks would say the
+    same, but torch 2.13 applies it twice where the expert group has one rank (gloo).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16 and mesh.device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
+    dense = mesh.dense()
+    placement = _expert_placement(model, mesh) if mesh.shape.ep > 1 else None
     for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=dense, mp_policy=policy, shard_placement_fn=placement)
+    fully_shard(model, mesh=dense, mp_policy=policy)
+
+
+def _expert_placement(model: nn.Module, mesh: Mesh):
+    """FSDP's per-parameter placement: experts dim 0 over `expert_copies`, the rest by default.
+
+    FSDP2 (torch 2.13) takes a per-parameter mesh only through these private classes.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    from ciuic_train.expert_parallel import expert_parameters
+
+    copies = mesh.expert_copies()
+    info = (
+        HSDPMeshInfo(copies, shard_mesh_dim=1, replicate_mesh_dim=0)
+        if copies.ndim == 2
+        else FSDPMeshInfo(copies, shard_mesh_dim=0)
+    )
+    experts = expert_parameters(model)
+    return lambda param: ShardPlacementResult(Shard(0), info) if param in experts else None

@@ -7,9 +7,11 @@ One optimizer step (`Trainer.train_step`):
     for each micro-batch:
         next windows of this rank's share   (sampler, ordered by tricks.order_indices each epoch)
         loss = model(inputs, targets)       <- tricks.transform_loss
+                                            (under dist.ep, routed tokens visit their experts' ranks)
         backward(loss * weight)             gradients cross ranks on the last micro-batch only
-                                            (DDP's all-reduce, or tricks.comm_hook in its place)
-    clip the gradient norm, optimizer step
+                                            (DDP's all-reduce, or tricks.comm_hook in its place;
+                                            FSDP2's reduce-scatter, plus all-reduce under HSDP)
+    clip the global gradient norm (across every mesh), optimizer step
     MoE: one balancing step from the tokens each expert received
 
 The run (`Trainer.fit`): steps until `train.max_steps`; after each, evaluate, save
@@ -37,8 +39,9 @@ from ciuic_train.files import write_json_atomic
 from ciuic_train.loop import Cadence, StopRequest, Throughput, inject_fault
 from ciuic_train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.model import Transformer, count_parameters, generate
+from ciuic_train.model.deepseek import IGNORE_INDEX
 from ciuic_train.optim import WarmupCosine, build_optimizer
-from ciuic_train.parallel import Parallel, full_value, param_checksum
+from ciuic_train.parallel import Parallel, clip_grad_norm_, param_bytes, param_checksum
 from ciuic_train.parallelize import parallelize
 from ciuic_train.tricks import TrickContext, build_tricks
 
@@ -65,7 +68,7 @@ class Trainer:
     def __init__(self, config: Config, run_dir: Path, parallel: Parallel | None = None):
         self.config = config
         self.run_dir = run_dir
-        self.parallel = parallel or Parallel(config.dist, resolve_device(config.device))
+        self.parallel = parallel or Parallel(config.dist, resolve_device(config.device), config.model.n_routed_experts)
         self.device = self.parallel.device
         train = config.train
         rank, world = self.parallel.info.rank, self.parallel.world_size
@@ -87,16 +90,19 @@ class Trainer:
         # Every rank builds the same weights from the same seed; DDP also broadcasts rank 0's.
         self.model = Transformer(config.model).to(self.device)
         self.tricks.init_weights(self.model)
-        self.wrapped_model = parallelize(self.model, config, self.parallel, self.tricks.comm_hook())
+        self.wrapped_model = parallelize(self.model, self.parallel.mesh, config, self.tricks.comm_hook())
         self.optimizer = build_optimizer(self.model, config.optim, train.lr)
         self.lr_schedule = WarmupCosine(train.lr, train.warmup_steps, train.max_steps, config.optim.min_lr_ratio)
         self.sampler = WindowSampler(
             n_windows(self.data.train, train.seq_len), config.seed, rank, world,
             order=self.tricks.order_indices, shuffle=config.data.shuffle,
         )
-        # Each rank evaluates its own slice of the fixed validation windows.
+        # Each rank evaluates its own slice of the fixed validation windows, in the same
+        # number of batches everywhere (sharded and expert-parallel forwards are collectives).
         val_windows = eval_indices(self.data.val, train.seq_len, train.eval_batches * train.batch_size)
         self.val_windows = val_windows[rank::world]
+        self.val_batches = -(-len(val_windows[0::world]) // train.batch_size)
+        self.val_filler = val_windows[:1]
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if config.precision is Precision.bf16
@@ -112,7 +118,7 @@ class Trainer:
 
     def _meta(self) -> dict[str, Any]:
         fingerprint = run_fingerprint(self.config.model, self.tricks.names, self.parallel.world_size)
-        return {**fingerprint, "strategy": self.parallel.strategy.value}
+        return {**fingerprint, "strategy": self.parallel.strategy, "mesh": self.parallel.mesh.shape.as_dict()}
 
     def save_checkpoint(self) -> Path:
         rank_state = {
@@ -120,13 +126,18 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "tricks": self.tricks.state_dict(),
         }
-        return self.checkpointer.save(self.step, self.model, self.optimizer, rank_state, self._meta())
+        meta = {**self._meta(), "data": self.sampler.global_position()}
+        return self.checkpointer.save(self.step, self.model, self.optimizer, rank_state, meta)
 
     def _resume(self, path: Path) -> None:
-        check_resumable(read_meta(path), self._meta(), self.config.ckpt.allow_trick_change)
-        state = self.checkpointer.load(path, self.model, self.optimizer)
+        meta = read_meta(path)
+        check_resumable(meta, self._meta(), self.config.ckpt.allow_trick_change)
+        same_world = meta["world_size"] == self.parallel.world_size
+        # On another number of ranks, rank 0's state serves all (check_resumable allowed it
+        # only where nothing in it is per rank but the data position, split anew here).
+        state = self.checkpointer.load(path, self.model, self.optimizer, state_of_rank=None if same_world else 0)
         self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.load_state_dict(state["sampler"] if same_world else self.sampler.share_of(meta["data"]))
         self.tricks.load_state_dict(state["tricks"])
         if self.parallel.is_main:
             drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
@@ -158,7 +169,7 @@ class Trainer:
             loss_sum += loss.item() * weight
 
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
-        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         moe_imbalance = self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)
@@ -172,10 +183,15 @@ class Trainer:
         self.wrapped_model.eval()
         batch_size = self.config.train.batch_size
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i in range(0, len(self.val_windows), batch_size):
-            inputs, targets = self._batch(self.val_windows[i : i + batch_size], self.data.val)
+        for i in range(0, self.val_batches * batch_size, batch_size):
+            windows = self.val_windows[i : i + batch_size]
+            if len(windows):
+                inputs, targets = self._batch(windows, self.data.val)
+            else:  # a rank with fewer windows joins the collectives with a batch that counts for nothing
+                inputs, targets = self._batch(self.val_filler, self.data.val)
+                targets = torch.full_like(targets, IGNORE_INDEX)
             totals[0] += self._loss(inputs, targets, reduction="sum").double()
-            totals[1] += targets.numel()
+            totals[1] += (targets != IGNORE_INDEX).sum()
         self.wrapped_model.train(was_training)
         self.parallel.all_reduce_sum_(totals)
         return (totals[0] / totals[1]).item()
@@ -262,7 +278,9 @@ class Trainer:
             **run,
             "unigram_entropy": unigram_entropy(self.data.train, self.data.vocab_size),
             "world_size": self.parallel.world_size,
-            "strategy": self.parallel.strategy.value,
+            "strategy": self.parallel.strategy,
+            "mesh": self.parallel.mesh.shape.as_dict(),
+            "param_bytes_per_rank": param_bytes(self.model),
             "tricks": self.tricks.names,
             "trick_params": self.tricks.resolved_params(),
             "n_params": n_params,

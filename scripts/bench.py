@@ -7,6 +7,7 @@ process, so machine noise lands on both sides and their ratio is the trainer's o
 
     python scripts/bench.py [--model small] [--steps 20] [--rounds 3] [--batch-size 8]
                             [--seq-len 256] [--precision fp32|bf16] [--json OUT]
+                            [--device cpu|cuda] [--override KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from ciuic_train.optim import build_optimizer
 from ciuic_train.trainer import Trainer
 
 MATMUL_SIZES = (1024, 2048)
+# On a GPU the CPU sizes take microseconds, too short to time; these reach its peak.
+CUDA_MATMUL_SIZES = (4096, 8192)
 MATMUL_REPEATS = 5
 # Steps of an untimed bare loop before round 1, so one-time lazy setup (autograd threads,
 # kernel selection, oneDNN primitives) is not billed to whichever side runs first.
@@ -50,18 +53,21 @@ def results_console() -> Console:
 
 
 def matmul_peak(
-    dtype: torch.dtype, repeats: int = MATMUL_REPEATS, mm: Callable = torch.mm
+    dtype: torch.dtype, repeats: int = MATMUL_REPEATS, mm: Callable = torch.mm, device: str = "cpu"
 ) -> dict[int, float]:
     """GFLOP/s of a square `torch.mm` (or another `mm` of two n x n) per size, best of
-    several repeats after a warm-up."""
+    several repeats after a warm-up. On CUDA each product is waited for before the clock stops."""
     figures = {}
-    for n in MATMUL_SIZES:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for n in MATMUL_SIZES if torch.device(device).type == "cpu" else CUDA_MATMUL_SIZES:
+        a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
         mm(a, b)
+        sync()
         best = float("inf")
         for _ in range(repeats):
             tic = time.perf_counter()
             mm(a, b)
+            sync()
             best = min(best, time.perf_counter() - tic)
         figures[n] = 2 * n**3 / best / 1e9
     return figures
@@ -78,9 +84,10 @@ def compose_config(args: argparse.Namespace) -> Config:
         "train.eval_batches=1",
         "train.warmup_steps=2",
         f"precision={args.precision}",
-        "device=cpu",
+        f"device={args.device}",
         "progress=plain",
         "sample.max_new_tokens=0",
+        *args.override,
     ]
     register_configs()
     with initialize_config_module(config_module="ciuic_train.conf", version_base="1.3"):
@@ -95,16 +102,20 @@ def trainer_tokens_per_s(config: Config) -> float:
 
 def bare_tokens_per_s(config: Config, steps: int) -> float:
     """Forward, loss, backward, step on one fixed random batch: the floor the trainer adds to."""
+    device = torch.device(config.device.value)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(config.seed)
-    model = Transformer(config.model)
+    with device:  # built where it runs: a large model initialised on CPU would take long
+        model = Transformer(config.model)
     model.train()
     optimizer = build_optimizer(model, config.optim, config.train.lr)
     batch, seq = config.train.batch_size, config.train.seq_len
-    tokens = torch.randint(config.model.vocab_size, (batch, seq + 1))
+    tokens = torch.randint(config.model.vocab_size, (batch, seq + 1)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if config.precision is Precision.bf16 else nullcontext()
+        torch.autocast(device.type, dtype=torch.bfloat16) if config.precision is Precision.bf16 else nullcontext()
     )
+    sync()
     tic = time.perf_counter()
     for _ in range(steps):
         with autocast:
@@ -112,6 +123,7 @@ def bare_tokens_per_s(config: Config, steps: int) -> float:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    sync()
     return batch * seq * steps / (time.perf_counter() - tic)
 
 
@@ -134,6 +146,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32")
     parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE",
+        help="a config override for both sides, e.g. model.dim=1024 (repeatable; applied last)",
+    )
     return parser.parse_args()
 
 
@@ -145,13 +162,14 @@ def main() -> None:
     config = compose_config(args)
 
     progress.print("timing matmul peak ...")
-    peaks = {"fp32": matmul_peak(torch.float32)}
+    peaks = {"fp32": matmul_peak(torch.float32, device=args.device)}
     if config.precision is Precision.bf16:
-        peaks["bf16"] = matmul_peak(torch.bfloat16)
+        peaks["bf16"] = matmul_peak(torch.bfloat16, device=args.device)
     peak_gflops = max(peaks[args.precision].values())
     peak_size = max(peaks[args.precision], key=peaks[args.precision].get)
 
-    flops = training_flops_per_token(Transformer(config.model), args.seq_len)
+    with torch.device("meta"):  # only counted: a large model would take long to initialise
+        flops = training_flops_per_token(Transformer(config.model), args.seq_len)
     bare_tokens_per_s(config, WARMUP_STEPS)
     rounds = []
     for i in range(args.rounds):
@@ -167,6 +185,9 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "overrides": args.override,
         "load_avg_1min_at_start": load_at_start,
         "model": args.model,
         "batch_size": args.batch_size,
@@ -188,10 +209,14 @@ def main() -> None:
     summary = Table(title="ciuic_train bench", show_header=False)
     summary.add_row("torch / threads", f"{results['torch']} / {results['threads']}")
     summary.add_row("cpu", results["cpu"])
+    if args.device == "cuda":
+        summary.add_row("gpu", results["gpu"])
     summary.add_row("load average at start", f"{load_at_start:.2f}")
     summary.add_row(
         "config", f"model={args.model} B={args.batch_size} S={args.seq_len} {args.precision}, {args.steps} steps"
     )
+    if args.override:
+        summary.add_row("overrides", " ".join(args.override))
     for dtype, sizes in peaks.items():
         summary.add_row(f"matmul {dtype} GFLOP/s", ", ".join(f"{n}: {g:,.1f}" for n, g in sizes.items()))
     summary.add_row("peak used for MFU", f"{peak_gflops:,.1f} GFLOP/s ({args.precision}, n={peak_size})")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ciuic_train.checkpoint import check_resumable
 from ciuic_train.errors import UserError
 from ciuic_train.model import ModelConfig, Transformer
 from ciuic_train.trainer import Trainer
@@ -107,7 +108,8 @@ def test_corrupt_checkpoint_is_a_clear_error_not_a_fresh_start(tmp_path, text_co
     [
         (["model.dim=32"], "checkpoint model differs: model.dim is 64 there, 32 now"),
         (["+trick=warm_restart"], "checkpoint tricks [] differ from this run's ['warm_restart']"),
-        (["dist.nproc_per_node=2"], "checkpoint was written by 1 ranks, this run has 2"),
+        (["dist.nproc_per_node=5"], "checkpoint was written by 1 ranks, this run has 5: the 12 windows consumed "
+                                    "in its epoch do not split evenly over 5 ranks"),
         (["resume=/nonexistent/x"], "no complete checkpoint at /nonexistent/x"),
     ],
 )
@@ -214,3 +216,17 @@ def test_sigterm_stops_a_sweep_after_saving_the_running_job(tmp_path, text_corpu
     assert process.returncode == 1, err
     assert "sweep stopped by SIGTERM during job #0; later jobs were not started" in err
     assert any((sweep / "0" / "checkpoints").iterdir()) and not (sweep / "1").exists()
+
+
+def test_a_model_field_newer_than_the_checkpoint_counts_as_its_default():
+    """A checkpoint written before a model field existed ran with that field's default."""
+    from dataclasses import asdict
+
+    now = asdict(ModelConfig())
+    before = {k: v for k, v in now.items() if k != "n_expert_groups"}
+    meta = {"model": before, "tricks": [], "world_size": 1}
+    check_resumable(meta, {"model": now, "tricks": [], "world_size": 1}, False)
+    grouped = {**now, "n_routed_experts": 8, "n_expert_groups": 4}
+    with pytest.raises(UserError, match="model.n_expert_groups is 1 there, 4 now"):
+        check_resumable({**meta, "model": {**before, "n_routed_experts": 8}},
+                        {"model": grouped, "tricks": [], "world_size": 1}, False)

@@ -142,7 +142,7 @@ def test_a_cancel_outranks_a_time_limit_warning():
     from ciuic_train.parallel import Parallel
     from ciuic_train.loop import StopRequest
 
-    single = Parallel(DistConfig(), torch.device("cpu"))
+    single = Parallel(DistConfig(), torch.device("cpu"), n_routed_experts=4)
     with StopRequest() as stop:
         assert stop.agreed(single) is None
         os.kill(os.getpid(), signal.SIGUSR1)

@@ -377,15 +377,31 @@ def test_each_trick_alone_on_two_processes_through_a_sweep(tmp_path, text_corpus
     assert all(s["world_size"] == 2 and len(s["tricks"]) == 1 for s in summaries)
 
 
-def test_a_comm_hook_trick_under_fsdp_is_a_clear_error(tmp_path, text_corpus):
+@pytest.mark.parametrize("mesh, strategy", [
+    (["dist.strategy=fsdp"], "fsdp"),
+    (["dist.dp_shard=2", "dist.ep=2"], "fsdp"),
+    (["dist.nproc_per_node=4", "dist.dp_shard=2"], "hsdp"),
+])
+def test_a_comm_hook_trick_under_fsdp_is_a_clear_error(tmp_path, text_corpus, mesh, strategy):
     result = run_cli(
-        "+trick=delayed_sync", "dist.nproc_per_node=2", "dist.strategy=fsdp", *TINY, "data=text",
+        "+trick=delayed_sync", "dist.nproc_per_node=2", *mesh, *TINY, "data=text",
         f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
     )
     assert result.returncode == 2
-    assert "trick delayed_sync needs DDP's communication hook, which dist.strategy=fsdp does not have" in result.stderr
-    assert "Traceback" not in result.stderr
+    message = f"trick delayed_sync needs DDP's communication hook, which dist.strategy={strategy} does not have"
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_comm_hook_trick_is_allowed_with_replicas_only():
+    """The check the CLI and `parallelize` share: DDP has the hook, any sharded mesh not."""
+    from ciuic_train.errors import UserError
+    from ciuic_train.mesh import MeshShape, refuse_comm_hook
+
+    refuse_comm_hook("delayed_sync", MeshShape(2, 1, 1))  # DDP: fine
+    with pytest.raises(UserError, match="dist.strategy=hsdp does not have"):
+        refuse_comm_hook("delayed_sync", MeshShape(2, 2, 1))
 
 
 def test_glob_sweeps_every_trick_alone_in_one_process(tmp_path):

@@ -1,0 +1,181 @@
+"""The device mesh: how the ranks split into data-parallel replicas, shards and expert groups.
+
+Three sizes describe a layout (`dist.dp_replicate`, `dist.dp_shard`, `dist.ep`):
+
+- `dp_replicate` groups of ranks each hold a whole copy of the model; gradients are
+  averaged across them (DDP when `dp_shard=1`, the outer dimension of HSDP otherwise).
+- within a group, `dp_shard` ranks split every parameter between them (FSDP2).
+- `ep` of those shard ranks also split the routed experts: each holds
+  `n_routed_experts / ep` experts, whose parameters live only there, and tokens travel
+  to their expert's rank and back (all-to-all). Expert-parallel ranks are shard ranks
+  (as in torchtitan), so `ep` divides `dp_shard`; the `dp_shard / ep` ranks that hold the
+  same experts ("efsdp") shard them further, as FSDP does any parameter.
+
+The torch mesh has the dimensions (dp_replicate, dp_shard); the experts see dp_shard
+split into (efsdp, ep).
+
+`resolve_mesh` needs no torch, so the CLI checks a layout before anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ciuic_train.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ciuic_train.config import DistConfig
+
+REST = -1  # "what the world size leaves"
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def efsdp(self) -> int:
+        """Shard ranks that hold the same experts (and shard them between them)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def strategy(self) -> str:
+        """none (one process), ddp (replicas only), fsdp (shards only) or hsdp (both)."""
+        if self.world_size == 1:
+            return "none"
+        if self.dp_shard == 1:
+            return "ddp"
+        return "fsdp" if self.dp_replicate == 1 else "hsdp"
+
+    def describe(self) -> str:
+        return f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}, ep={self.ep}"
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "ep": self.ep}
+
+
+def resolve_mesh(cfg: DistConfig, world_size: int, local_world_size: int, n_routed_experts: int) -> MeshShape:
+    """The mesh `cfg` asks for on `world_size` ranks (`local_world_size` per node), checked.
+
+    `dist.strategy` is a shorthand: `ddp` replicates only, `fsdp` shards only, `hsdp`
+    shards within a node and replicates across nodes; `auto` takes the sizes as given.
+    A size of -1 takes what the others leave (`dp_shard` first). Any combination that
+    does not multiply out, or that contradicts the strategy, is a one-line error.
+    """
+    for key in ("dp_replicate", "dp_shard", "ep"):
+        value = getattr(cfg, key)
+        if value < 1 and value != REST:
+            raise UserError(f"dist.{key}={value} must be a positive number of ranks, or -1 for the rest")
+    strategy = cfg.strategy.value
+    if strategy == "none" and world_size > 1:
+        raise UserError(
+            f"dist.strategy=none with world size {world_size} would train unsynchronised replicas; "
+            "use ddp, fsdp or hsdp"
+        )
+    replicate, shard = cfg.dp_replicate, cfg.dp_shard
+    if strategy == "ddp":
+        _require(shard in (1, REST) and cfg.ep in (1, REST), cfg, "dist.strategy=ddp replicates only: "
+                 "it needs dist.dp_shard=1 and dist.ep=1 (use dist.strategy=fsdp or hsdp to shard)")
+        shard = 1
+    elif strategy == "fsdp":
+        _require(replicate in (1, REST), cfg, "dist.strategy=fsdp shards only: it needs dist.dp_replicate=1 "
+                 "(use dist.strategy=hsdp to replicate across nodes)")
+        replicate, shard = 1, REST if shard in (1, REST) else shard
+    elif strategy == "hsdp":
+        if shard in (1, REST):
+            shard = local_world_size
+    if shard == REST:
+        shard = world_size // (1 if replicate == REST else replicate)
+    if replicate == REST:
+        if world_size % shard:
+            raise UserError(f"dist.dp_shard={shard} must divide the world size {world_size} (dist.dp_replicate=-1 takes the rest)")
+        replicate = world_size // shard
+    if replicate * shard != world_size:
+        raise UserError(
+            f"dist.dp_replicate={replicate} x dist.dp_shard={shard} = {replicate * shard} ranks, "
+            f"but the world size is {world_size}"
+        )
+    if strategy == "hsdp" and world_size > 1 and (replicate == 1 or shard == 1):
+        raise UserError(
+            f"dist.strategy=hsdp needs more than one replica and more than one shard, but on {world_size} "
+            f"ranks it gets dp_replicate={replicate} x dp_shard={shard}; set dist.dp_shard or use fsdp"
+        )
+    ep = shard if cfg.ep == REST else cfg.ep
+    if shard % ep:
+        raise UserError(
+            f"dist.ep={ep} must divide dist.dp_shard={shard} (expert-parallel ranks are shard ranks); "
+            f"e.g. dist.dp_shard={ep * max(1, shard // ep)} dist.ep={ep}"
+        )
+    if n_routed_experts % ep:
+        raise UserError(f"dist.ep={ep} must divide model.n_routed_experts={n_routed_experts}")
+    return MeshShape(replicate, shard, ep)
+
+
+def refuse_comm_hook(trick: str, shape: MeshShape) -> None:
+    """A trick that replaces DDP's gradient all-reduce has nothing to act on under FSDP2."""
+    if shape.strategy in ("fsdp", "hsdp"):
+        raise UserError(
+            f"trick {trick} needs DDP's communication hook, which dist.strategy={shape.strategy} does not have "
+            f"({shape.describe()}); use dist.dp_shard=1 dist.ep=1"
+        )
+
+
+def _require(condition: bool, cfg: DistConfig, message: str) -> None:
+    if not condition:
+        raise UserError(
+            f"{message}; got dist.dp_replicate={cfg.dp_replicate} dist.dp_shard={cfg.dp_shard} dist.ep={cfg.ep}"
+        )
+
+
+class Mesh:
+    """A `MeshShape` made real: torch's DeviceMesh over the process group, and its parts.
+
+    With one process there is no process group and no DeviceMesh (`device_mesh` is None).
+    The mesh is (dp_replicate, dp_shard); its expert view splits dp_shard into
+    (efsdp, ep), so both views index the same ranks and FSDP can combine them.
+    """
+
+    def __init__(self, shape: MeshShape, device: torch.device):
+        self.shape = shape
+        self.device = device
+        self.device_mesh: DeviceMesh | None = None
+        self._expert_view: DeviceMesh | None = None
+        if shape.world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.device_mesh = init_device_mesh(
+                device.type, (shape.dp_replicate, shape.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+            )
+            self._expert_view = self.device_mesh._unflatten(1, (shape.efsdp, shape.ep), ("efsdp", "ep"))
+
+    @property
+    def strategy(self) -> str:
+        return self.shape.strategy
+
+    def dense(self) -> DeviceMesh:
+        """Where every parameter but the routed experts is sharded: 1-D for FSDP, 2-D for HSDP."""
+        return self.device_mesh if self.shape.dp_replicate > 1 else self.device_mesh["dp_shard"]
+
+    def experts(self) -> DeviceMesh:
+        """The ranks that split the routed experts between them."""
+        return self._expert_view["ep"]
+
+    def expert_copies(self) -> DeviceMesh:
+        """The ranks that hold the same experts: FSDP shards (and HSDP replicates) them here."""
+        if self.shape.dp_replicate > 1:
+            return self._expert_view["dp_replicate", "efsdp"]
+        return self._expert_view["efsdp"]
+
+    def replicas(self) -> DeviceMesh:
+        """DDP's ranks (dp_shard=1: every rank)."""
+        return self.device_mesh["dp_replicate"]
