@@ -699,14 +699,8 @@ def ep_results(timing: dict, memory: dict[str, dict]) -> dict:
 
 def show_ep(results: dict) -> None:
     console = results_console()
-    summary = Table(title="ciuic_train expert-parallel bench", show_header=False)
-    summary.add_row("torch / cores", f"{results['torch']} / {results['cores']}")
-    summary.add_row(
-        "load average (1 min) start / end",
-        f"{results['load_avg_1min_at_start']:.2f} / {results['load_avg_1min_at_end']:.2f}",
-    )
-    summary.add_row(
-        "config",
+    summary = run_table(
+        "ciuic_train expert-parallel bench", results,
         f"model={results['model']}, {NPROC} ranks (gloo) x {results['threads_per_rank']} thread(s), "
         f"batch {results['batch_size_per_rank']} x {results['seq_len']} tokens per rank, fp32",
     )
@@ -874,16 +868,22 @@ def main(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 
 
-def show(results: dict, single: str, multi: str, single_big: str) -> None:
-    console = results_console()
-    summary = Table(title="ciuic_train distributed bench", show_header=False)
-    summary.add_row("torch / cores", f"{results['torch']} / {results['cores']}")
-    summary.add_row(
+def run_table(title: str, results: dict, config: str) -> Table:
+    """The rows every result table starts with: versions, machine load, the config."""
+    table = Table(title=title, show_header=False)
+    table.add_row("torch / cores", f"{results['torch']} / {results['cores']}")
+    table.add_row(
         "load average (1 min) start / end",
         f"{results['load_avg_1min_at_start']:.2f} / {results['load_avg_1min_at_end']:.2f}",
     )
-    summary.add_row(
-        "config",
+    table.add_row("config", config)
+    return table
+
+
+def show(results: dict, single: str, multi: str, single_big: str) -> None:
+    console = results_console()
+    summary = run_table(
+        "ciuic_train distributed bench", results,
         f"model={results['model']}, per-rank batch {results['batch_size_per_rank']}, {results['steps']} steps per run",
     )
     summary.add_row("wall time", f"{results['wall_s']:.0f} s")

@@ -36,15 +36,18 @@ def torchrun(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Complete
     )
 
 
-@pytest.fixture
-def text_corpus(tmp_path: Path) -> Path:
+def write_text_corpus(folder: Path) -> Path:
     """A small folder of text files: enough windows for tiny runs, several files for the split."""
-    folder = tmp_path / "corpus"
     folder.mkdir()
     line = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
     for i in range(40):
         (folder / f"doc{i:02d}.txt").write_text(f"# document {i}\n" + line * (20 + i))
     return folder
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> Path:
+    return write_text_corpus(tmp_path / "corpus")
 
 
 @pytest.fixture

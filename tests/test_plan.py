@@ -19,7 +19,7 @@ from ciuic_train.config import to_config
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer, count_parameters
 from ciuic_train.plan import GIB, plan_figures
-from conftest import run_cli, torchrun
+from conftest import run_cli, torchrun, write_text_corpus
 
 TINY = ["model=tiny", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain", "train.max_steps=2"]
 V3_ON_2048 = [
@@ -42,12 +42,7 @@ def compose_config(*overrides: str):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """conftest's text_corpus, shared by this module's runs."""
-    folder = tmp_path_factory.mktemp("plan") / "corpus"
-    folder.mkdir()
-    line = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
-    for i in range(40):
-        (folder / f"doc{i:02d}.txt").write_text(f"# document {i}\n" + line * (20 + i))
-    return folder
+    return write_text_corpus(tmp_path_factory.mktemp("plan") / "corpus")
 
 
 @pytest.mark.parametrize(

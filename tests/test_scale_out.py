@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli, torchrun
+from conftest import run_cli, torchrun, write_text_corpus
 from ciuic_train.checkpoint import check_resumable, export_model
 from ciuic_train.config import DistConfig, Strategy
 from ciuic_train.errors import UserError
@@ -92,11 +92,7 @@ def test_a_checkpoint_resumes_on_another_world_only_where_its_state_reshards():
 def workdir(tmp_path_factory) -> Path:
     """A folder with a small text corpus, shared by this module's runs."""
     root = tmp_path_factory.mktemp("scale_out")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    line = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
-    for i in range(40):
-        (corpus / f"doc{i:02d}.txt").write_text(f"# document {i}\n" + line * (20 + i))
+    write_text_corpus(root / "corpus")
     return root
 
 
