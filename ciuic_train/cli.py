@@ -73,7 +73,7 @@ def _hydra_job(cfg: DictConfig) -> float:
 
 
 def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> dict[str, Any]:
-    from ciuic_train.parallel import Parallel, RankInfo  # torch is imported only when a job runs
+    from ciuic_train.parallel import Parallel, RankInfo, lost_peers_message  # torch only when a job runs
     from ciuic_train.trainer import Trainer, resolve_device
 
     info = RankInfo.from_env()
@@ -91,6 +91,12 @@ def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> di
         if info.is_main:
             _remove_unused_run_dir(run_dir)
         fail(str(err))
+    except Exception as err:  # a peer or the network gone: every rank says what it saw, in one line
+        message = lost_peers_message(err, config.dist.timeout_s, parallel.addresses if parallel else [])
+        if message is None:
+            raise
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        sys.exit(1)
     finally:
         if parallel is not None:
             parallel.close(clean=finished)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
+import socket
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -70,6 +72,8 @@ class Parallel:
                 dist.init_process_group(backend, timeout=timeout, **_attempt_store(self.info, timeout))
                 self.group_started = True
         self.mesh = Mesh(shape, device)
+        # Where every rank runs, so that a lost connection can name the rank behind it.
+        self.addresses = self.gather(local_address()) if self.group_started or dist.is_initialized() else []
 
     @property
     def strategy(self) -> str:
@@ -143,6 +147,45 @@ class Parallel:
                 time.sleep(0.2)
             dist.destroy_process_group()
             self.group_started = False
+
+
+def local_address() -> str:
+    """`hostname address` as gloo finds this rank: GLOO_SOCKET_IFNAME's interface if set,
+    else the address the hostname resolves to."""
+    name = socket.gethostname()
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return f"{name} interface {interface}"
+    try:
+        return f"{name} {socket.gethostbyname(name)}"
+    except OSError:
+        return f"{name} (hostname does not resolve)"
+
+
+# What gloo and the c10d store say when a peer is gone or unreachable.
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out",
+                    "Timed out", "timeout", "Connection refused", "No route to host")
+
+
+def lost_peers_message(err: BaseException, timeout_s: int, addresses: list[str]) -> str | None:
+    """One line for a collective that failed because a rank or the network went away, or
+    None for any other error. `addresses` (from `Parallel.addresses`) names the ranks at
+    the addresses the error mentions."""
+    text = str(err).strip()
+    if not isinstance(err, dist.DistError) and not any(marker in text for marker in _CONNECTION_LOST):
+        return None
+    info = RankInfo.from_env()
+    mentioned = set(re.findall(r"\d+\.\d+\.\d+\.\d+", text))
+    lost = [f"rank {r} ({a})" for r, a in enumerate(addresses) if r != info.rank and a.split()[-1] in mentioned]
+    first = (text.splitlines() or [type(err).__name__])[0]
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". ")[0][:200]  # gloo's source location off
+    here = addresses[info.rank] if info.rank < len(addresses) else local_address()
+    return (
+        f"rank {info.rank} on {here} lost contact with {', '.join(lost) or 'the other ranks'}: {first}. "
+        f"A node died or the network failed (collectives wait dist.timeout_s={timeout_s} s). If this rank "
+        "reached the others on the wrong address, set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) "
+        "and torchrun's --local-addr; continue with resume=auto"
+    )
 
 
 def _attempt_store(info: RankInfo, timeout: timedelta) -> dict[str, Any]:
