@@ -41,7 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ciuic_train import launch
 from ciuic_train.config import Config, register_configs, to_config
 from ciuic_train.errors import UserError
-from ciuic_train.mesh import refuse_comm_hook, resolve_mesh
+from ciuic_train.mesh import check_grad_consistency, refuse_comm_hook, resolve_mesh
 from ciuic_train.slurm import end_stopped_task, in_slurm_task
 from ciuic_train.tricks import trick_classes
 
@@ -428,9 +428,11 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
         world_size = int(os.environ.get("WORLD_SIZE", config.dist.nnodes * config.dist.nproc_per_node))
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", config.dist.nproc_per_node))
         shape = resolve_mesh(config.dist, world_size, local_world_size, config.model.n_routed_experts)
-        for trick in trick_classes(config.trick):
-            if "comm_hook" in trick.claimed_seams():
-                refuse_comm_hook(trick.name, shape)
+        hook_tricks = [trick.name for trick in trick_classes(config.trick) if "comm_hook" in trick.claimed_seams()]
+        for trick in hook_tricks:
+            refuse_comm_hook(trick, shape)
+        if config.train.log_grad_consistency:
+            check_grad_consistency(shape, hook_tricks[0] if hook_tricks else None)
     if not config_only:
         from ciuic_train.data import find_sources  # fails fast on a missing corpus, before any folder exists
 

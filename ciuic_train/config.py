@@ -99,6 +99,10 @@ class TrainConfig:
     log_every: int = 10
     # Max global grad norm; 0 disables clipping.
     grad_clip: float = 1.0
+    # On logging steps, log `grad_consistency`: the mean over ranks of the cosine between a
+    # rank's own gradient and the all-reduced one (1 = every rank agrees). DDP only; its
+    # all-reduce is then done by hand, in one collective, on those steps.
+    log_grad_consistency: bool = False
 
 
 @dataclass

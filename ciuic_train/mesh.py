@@ -130,6 +130,21 @@ def refuse_comm_hook(trick: str, shape: MeshShape) -> None:
         )
 
 
+def check_grad_consistency(shape: MeshShape, comm_hook_trick: str | None) -> None:
+    """`train.log_grad_consistency` needs each rank's own gradient next to the mean: DDP's
+    gradients, averaged by hand on logging steps, which a trick's hook would not be."""
+    if shape.strategy in ("fsdp", "hsdp"):
+        raise UserError(
+            f"train.log_grad_consistency needs replicas' whole gradients (DDP); dist.strategy={shape.strategy} "
+            f"shards them ({shape.describe()})"
+        )
+    if comm_hook_trick is not None:
+        raise UserError(
+            f"train.log_grad_consistency averages gradients itself on logging steps, which would bypass "
+            f"trick {comm_hook_trick}'s communication hook; use one or the other"
+        )
+
+
 def _require(condition: bool, cfg: DistConfig, message: str) -> None:
     if not condition:
         raise UserError(

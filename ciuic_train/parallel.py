@@ -96,6 +96,21 @@ class Parallel:
             return _fsdp_sync(model, enabled)
         return nullcontext()
 
+    def average_gradients_with_consistency(self, parameters: list[nn.Parameter]) -> float:
+        """Replace each rank's own gradients by their mean over ranks, as DDP's all-reduce
+        would (divided first, then summed), in one collective; return the mean over ranks
+        of cos(this rank's gradient, the mean gradient)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        local = torch.cat([g.reshape(-1) for g in grads])
+        mean = local / self.world_size
+        self.all_reduce_sum_(mean)
+        cosine = torch.dot(local.double(), mean.double()) / (local.double().norm() * mean.double().norm()).clamp_min(1e-30)
+        offset = 0
+        for g in grads:
+            g.copy_(mean[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return self.mean(cosine.item())
+
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.group_started or dist.is_initialized():
             dist.all_reduce(tensor)
@@ -179,12 +194,18 @@ def lost_peers_message(err: BaseException, timeout_s: int, addresses: list[str])
     lost = [f"rank {r} ({a})" for r, a in enumerate(addresses) if r != info.rank and a.split()[-1] in mentioned]
     first = (text.splitlines() or [type(err).__name__])[0]
     first = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". ")[0][:200]  # gloo's source location off
-    here = addresses[info.rank] if info.rank < len(addresses) else local_address()
+    settings = ("set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) and torchrun's --local-addr if this rank "
+                "used the wrong address")
+    if not addresses:  # the process group never formed
+        store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        return (
+            f"rank {info.rank} on {local_address()} could not form the process group through {store} within "
+            f"dist.timeout_s={timeout_s} s: {first}. A rank did not start or cannot reach the others; {settings}"
+        )
     return (
-        f"rank {info.rank} on {here} lost contact with {', '.join(lost) or 'the other ranks'}: {first}. "
-        f"A node died or the network failed (collectives wait dist.timeout_s={timeout_s} s). If this rank "
-        "reached the others on the wrong address, set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) "
-        "and torchrun's --local-addr; continue with resume=auto"
+        f"rank {info.rank} on {addresses[info.rank]} lost contact with {', '.join(lost) or 'the other ranks'}: "
+        f"{first}. A node died or the network failed (collectives wait dist.timeout_s={timeout_s} s); "
+        f"{settings}; continue with resume=auto"
     )
 
 

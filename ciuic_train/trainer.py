@@ -37,6 +37,7 @@ from ciuic_train.data import WindowSampler, eval_indices, get_batch, load_tokens
 from ciuic_train.errors import UserError
 from ciuic_train.files import write_json_atomic
 from ciuic_train.loop import Cadence, StopRequest, Throughput, inject_fault
+from ciuic_train.mesh import check_grad_consistency
 from ciuic_train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.model import Transformer, count_parameters, generate
 from ciuic_train.model.deepseek import IGNORE_INDEX
@@ -90,7 +91,10 @@ class Trainer:
         # Every rank builds the same weights from the same seed; DDP also broadcasts rank 0's.
         self.model = Transformer(config.model).to(self.device)
         self.tricks.init_weights(self.model)
-        self.wrapped_model = parallelize(self.model, self.parallel.mesh, config, self.tricks.comm_hook())
+        comm_hook = self.tricks.comm_hook()
+        if train.log_grad_consistency:
+            check_grad_consistency(self.parallel.mesh.shape, comm_hook.trick if comm_hook else None)
+        self.wrapped_model = parallelize(self.model, self.parallel.mesh, config, comm_hook)
         self.optimizer = build_optimizer(self.model, config.optim, train.lr)
         self.lr_schedule = WarmupCosine(train.lr, train.warmup_steps, train.max_steps, config.optim.min_lr_ratio)
         self.sampler = WindowSampler(
@@ -161,12 +165,18 @@ class Trainer:
 
         loss_sum = 0.0
         weights = self.tricks.micro_batch_weights(self.step, train.grad_accum)
+        # On a step that logs it, the gradients are averaged by hand after backward, next to each rank's own.
+        measure_consistency = train.log_grad_consistency and self.cadence.logs(self.step + 1, False, False)
         for i, weight in enumerate(weights):
             inputs, targets = self._batch(self.sampler.next_indices(train.batch_size), self.data.train)
-            with self.parallel.grad_sync(self.wrapped_model, enabled=i == len(weights) - 1):
+            sync = i == len(weights) - 1 and not measure_consistency
+            with self.parallel.grad_sync(self.wrapped_model, enabled=sync):
                 loss = self.tricks.transform_loss(self._loss(inputs, targets), self.step)
                 (loss * weight).backward()
             loss_sum += loss.item() * weight
+        figures = {}
+        if measure_consistency:
+            figures["grad_consistency"] = self.parallel.average_gradients_with_consistency(list(self.model.parameters()))
 
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm)
@@ -174,7 +184,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         moe_imbalance = self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)
         self.step += 1
-        return {"loss": loss_sum / sum(weights), "lr": lr, "grad_norm": grad_norm, "moe_imbalance": moe_imbalance}
+        return {"loss": loss_sum / sum(weights), "lr": lr, "grad_norm": grad_norm, "moe_imbalance": moe_imbalance,
+                **figures}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -252,6 +263,7 @@ class Trainer:
             "lr": figures["lr"],
             "grad_norm": figures["grad_norm"],
             "moe_imbalance": figures["moe_imbalance"],
+            **({"grad_consistency": figures["grad_consistency"]} if "grad_consistency" in figures else {}),
             "tokens_per_s": throughput.window_rate(),
             "elapsed_s": throughput.elapsed_s(),
             **({"val_loss": val_loss} if val_loss is not None else {}),

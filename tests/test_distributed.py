@@ -120,3 +120,53 @@ def test_a_sweep_runs_each_job_on_two_processes(tmp_path, text_corpus):
     summaries = [json.loads((sweep_dir / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["world_size"] for s in summaries] == [2, 2]
     assert summaries[0]["param_checksum"] != summaries[1]["param_checksum"]
+
+
+def test_grad_consistency_is_logged_without_changing_the_training(tmp_path, text_corpus):
+    """The metric averages the gradients itself on logging steps, as DDP would have: the
+    weights end bit-identical to a run without it."""
+    common = [*TINY, *corpus_args(text_corpus, tmp_path), "train.max_steps=6", "train.log_every=2"]
+    runs = {}
+    for name, extra in (("plain", []), ("measured", ["train.log_grad_consistency=true"])):
+        result = torchrun("--nproc_per_node=2", "-m", "ciuic_train", *common, *extra,
+                          f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = tmp_path / name
+    records = [json.loads(line) for line in (runs["measured"] / "metrics.jsonl").read_text().splitlines()]
+    consistency = [r["grad_consistency"] for r in records]
+    assert len(consistency) == 3 and all(0.0 < c < 1.0 for c in consistency)  # two ranks, two different batches
+    assert all("grad_consistency" not in json.loads(line) for line in (runs["plain"] / "metrics.jsonl").read_text().splitlines())
+    checksums = [json.loads((runs[name] / "summary.json").read_text())["param_checksum"] for name in runs]
+    assert checksums[0] == checksums[1]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("dist.strategy=fsdp", "train.log_grad_consistency needs replicas' whole gradients (DDP); "
+                           "dist.strategy=fsdp shards them (dp_replicate=1 x dp_shard=2, ep=1)"),
+    ("+trick=delayed_sync", "train.log_grad_consistency averages gradients itself on logging steps, which would "
+                            "bypass trick delayed_sync's communication hook; use one or the other"),
+])
+def test_grad_consistency_is_refused_where_it_cannot_measure(tmp_path, setting, message):
+    result = run_cli(*TINY, "dist.nproc_per_node=2", setting, "train.log_grad_consistency=true",
+                     f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"ciuic-train: error: {message}"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_communication_failure_is_one_line_naming_the_ranks_and_the_settings(monkeypatch):
+    from torch.distributed import DistStoreError
+
+    from ciuic_train.parallel import lost_peers_message
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "host0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    gloo = RuntimeError("[/src/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:682. Check the logs.")
+    message = lost_peers_message(gloo, 30, ["a 10.0.0.1", "b 10.0.0.2", "c 10.0.0.3"])
+    assert message.startswith("rank 0 on a 10.0.0.1 lost contact with rank 1 (b 10.0.0.2): "
+                              "Connection closed by peer [10.0.0.2]:682. A node died")
+    assert "GLOO_SOCKET_IFNAME" in message and "\n" not in message
+    never_formed = lost_peers_message(DistStoreError("wait timeout after 30000ms, keys: /x/1"), 30, [])
+    assert "could not form the process group through host0:29500 within dist.timeout_s=30 s" in never_formed
+    assert lost_peers_message(ValueError("a bug"), 30, []) is None

@@ -72,6 +72,13 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path, text_corpus):
     assert runs["a"] == runs["b"] != runs["c"]
 
 
+def test_one_process_agrees_with_itself(tmp_path, text_corpus):
+    """Gradient consistency of a single rank is its gradient against itself: 1, measured on logging steps only."""
+    trainer = tiny_trainer(tmp_path, text_corpus, "train.log_grad_consistency=true", "train.log_every=2")
+    assert "grad_consistency" not in trainer.train_step()
+    assert trainer.train_step()["grad_consistency"] == pytest.approx(1.0, abs=1e-12)
+
+
 def test_grad_accum_equals_one_big_batch(tmp_path, text_corpus):
     """Two micro-batches of 4 weighted 1/2 each give the gradient of one batch of 8."""
     accum = tiny_trainer(tmp_path / "a", text_corpus, "train.grad_accum=2", "train.grad_clip=0")
