@@ -115,6 +115,10 @@ class DistConfig:
     dp_replicate: int = -1
     dp_shard: int = 1
     ep: int = 1
+    # DDP's gradient buckets (MiB): each is all-reduced as soon as its gradients are ready,
+    # so smaller ones hide more of the all-reduce behind backward on a slow link
+    # (docs/bench/README.md, "DDP across two emulated hosts"). 25 is torch's default.
+    ddp_bucket_mb: float = 25.0
     # >1: `ciuic-train` starts this many workers itself through torch's elastic launcher
     # (as torchrun would); under torchrun it is ignored and the environment decides.
     nproc_per_node: int = 1
@@ -236,6 +240,8 @@ def validate(config: Config) -> None:
         raise UserError(f"ckpt.keep_last={config.ckpt.keep_last} must be at least 1")
     if config.dist.nproc_per_node < 1:
         raise UserError(f"dist.nproc_per_node={config.dist.nproc_per_node} must be at least 1")
+    if config.dist.ddp_bucket_mb <= 0:
+        raise UserError(f"dist.ddp_bucket_mb={config.dist.ddp_bucket_mb} must be positive")
     if config.dist.nnodes < 1:
         raise UserError(f"dist.nnodes={config.dist.nnodes} must be at least 1")
     if config.dist.timeout_s < 1:

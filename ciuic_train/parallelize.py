@@ -56,7 +56,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, comm_hook: CommHoo
         for block in model.layers:
             block.compile()
     if mesh.strategy == "ddp":
-        return replicate(model, mesh, comm_hook)
+        return replicate(model, mesh, comm_hook, config.dist.ddp_bucket_mb)
     if comm_hook is not None:
         refuse_comm_hook(comm_hook.trick, mesh.shape)
         log.warning(f"trick {comm_hook.trick}: world size 1, no gradient all-reduce to act on")
@@ -81,8 +81,9 @@ def checkpoint_activations(block: nn.Module) -> None:
     block.forward = recomputed_forward
 
 
-def replicate(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None) -> nn.Module:
-    """DDP: every rank a full replica, gradients all-reduced in buckets during backward."""
+def replicate(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None, bucket_mb: float = 25.0) -> nn.Module:
+    """DDP: every rank a full replica, gradients all-reduced in buckets of `bucket_mb` MiB
+    during backward (a bucket goes as soon as its gradients are ready)."""
     from torch.nn.parallel import DistributedDataParallel
 
     # Buffers are not re-broadcast before each forward: each rank's MoE token counts are
@@ -90,8 +91,9 @@ def replicate(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None) -> nn.Mo
     newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     no_buffer_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
+    group = mesh.replicas().get_group() if mesh.device_mesh is not None else None  # None: the default group
     replica = DistributedDataParallel(
-        model, device_ids=device_ids, process_group=mesh.replicas().get_group(), **no_buffer_sync
+        model, device_ids=device_ids, process_group=group, bucket_cap_mb=bucket_mb, **no_buffer_sync
     )
     if comm_hook is not None:
         replica.register_comm_hook(comm_hook.state, comm_hook.hook)

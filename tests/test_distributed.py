@@ -170,3 +170,19 @@ def test_a_communication_failure_is_one_line_naming_the_ranks_and_the_settings(m
     never_formed = lost_peers_message(DistStoreError("wait timeout after 30000ms, keys: /x/1"), 30, [])
     assert "could not form the process group through host0:29500 within dist.timeout_s=30 s" in never_formed
     assert lost_peers_message(ValueError("a bug"), 30, []) is None
+
+
+def test_ddp_takes_its_bucket_size_from_the_config(tmp_path):
+    """One rank in a real gloo group is enough to see what DDP was built with."""
+    import torch
+    import torch.distributed as dist
+
+    from ciuic_train.mesh import Mesh, MeshShape
+    from ciuic_train.parallelize import replicate
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        replica = replicate(torch.nn.Linear(4, 4), Mesh(MeshShape(), torch.device("cpu")), None, bucket_mb=0.5)
+        assert replica.bucket_bytes_cap == 512 * 1024
+    finally:
+        dist.destroy_process_group()
