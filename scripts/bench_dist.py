@@ -108,6 +108,7 @@ from rich.table import Table
 
 import ciuic_train.expert_parallel as expert_parallel
 from bench import results_console
+from netns_claims import kill_group
 from ciuic_train.launch import quote_override
 from ciuic_train.config import register_configs, to_config
 from ciuic_train.parallel import Parallel, param_bytes
@@ -1049,12 +1050,7 @@ def netns_run(args: argparse.Namespace, hosts: int, threads: int, work: Path, ph
     finally:
         try:
             for p in procs:  # only on failure: a worker left behind must not hold the hosts' ports
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        p.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, signal.SIGKILL)
+                kill_group(p)
         finally:
             set_link(0, hosts)
     failed = [h for h, p in enumerate(procs) if p.returncode != 0]

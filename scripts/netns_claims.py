@@ -161,6 +161,7 @@ def busy_cpu_s() -> float:
 
 
 def kill_group(p: subprocess.Popen) -> None:
+    """Stop a worker started in its own session, and whatever it started: SIGTERM, then SIGKILL."""
     if p.poll() is None:
         os.killpg(p.pid, signal.SIGTERM)
         try:
