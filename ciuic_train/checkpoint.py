@@ -10,13 +10,17 @@ Layout of one checkpoint, `<run dir>/checkpoints/step_<N>/`:
 
 A checkpoint is written under a temporary name and renamed once every rank has
 finished, so a crash mid-save leaves only a `.tmp-*` folder that nothing reads, and the
-previous checkpoint intact. Loading never unpickles: DCP reads tensors, the rest is JSON.
+previous checkpoint intact. A save that fails (a full disk, a read-only or vanished
+folder) fails on every rank together: the temporary folder is removed and the run stops
+with one line (`RunFailed`), since a run that cannot save must not believe it can.
+Loading never unpickles: DCP reads tensors, the rest is JSON.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import random
 import re
@@ -26,7 +30,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -34,11 +38,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ciuic_train.errors import UserError
-from ciuic_train.files import written_atomically
+from ciuic_train.errors import RunFailed, UserError
+from ciuic_train.files import format_bytes, free_bytes, tree_bytes, written_atomically
 from ciuic_train.model.config import IMPLEMENTATION_FIELDS, ModelConfig
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+
+log = logging.getLogger("ciuic_train")
 
 
 @contextmanager
@@ -110,34 +116,88 @@ class Checkpointer:
         self.saves = 0
         self.seconds = 0.0
 
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
     def save(self, step: int, model, optimizer, rank_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Write `step_<step>`: temporary folder, shards and rank files, then meta.json and the rename.
+
+        Each phase ends with the ranks agreeing that all of them succeeded; if any failed,
+        every rank raises RunFailed after rank 0 has removed the temporary folder.
+        """
         tic = time.perf_counter()
         final = self.folder / f"step_{step:06d}"
         tmp = self.folder / f".tmp-step_{step:06d}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
-            tmp.mkdir(parents=True)
-        self._barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        with _single_process_is_fine():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        rank_state = {**rank_state, "rng": _encode_rng()}
-        (tmp / f"rank{self.rank}.json").write_text(json.dumps(rank_state))
-        self._barrier()
-        if self.rank == 0:
-            (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": self.world_size}))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old in complete_checkpoints(self.folder)[: -self.keep_last or None]:
-                shutil.rmtree(old, ignore_errors=True)
-        self._barrier()
+
+        def prepare() -> None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+                tmp.mkdir(parents=True)
+
+        def write() -> None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            with _single_process_is_fine():
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            (tmp / f"rank{self.rank}.json").write_text(json.dumps({**rank_state, "rng": _encode_rng()}))
+
+        def publish() -> None:
+            if self.rank == 0:
+                (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": self.world_size}))
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                for old in complete_checkpoints(self.folder)[: -self.keep_last or None]:
+                    shutil.rmtree(old, ignore_errors=True)
+
+        for phase in (prepare, write, publish):
+            self._on_every_rank(phase, final, tmp)
         self.saves += 1
         self.seconds += time.perf_counter() - tic
         return final
+
+    def _on_every_rank(self, phase: Callable[[], None], final: Path, tmp: Path) -> None:
+        """Run one phase of a save and agree on its outcome (the collective is also the
+        barrier between phases); a failure anywhere fails the save everywhere."""
+        try:
+            phase()
+            error = None
+        except (Exception, CheckpointException) as err:  # DCP's own derives from BaseException
+            error = _first_line(err)
+        errors = [error]
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()  # the folder is gone before any rank reports
+        raise RunFailed(self._failure_message(final, tmp, failed))
+
+    def _failure_message(self, final: Path, tmp: Path, failed: list[tuple[int, str]]) -> str:
+        rank, error = failed[0]
+        where = f" on rank {rank}" if self.world_size > 1 else ""
+        previous = [p for p in complete_checkpoints(self.folder) if p != final]
+        size = tree_bytes(previous[-1]) if previous else None
+        free = free_bytes(self.folder)
+        space = f"{format_bytes(free)} free"
+        if size:
+            space = ("not enough space: " if free < size else "") + f"{space}, a checkpoint needs about {format_bytes(size)}"
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        left = f"; {tmp} could not be removed" if tmp.exists() else ""
+        return f"saving checkpoint {final} failed{where}: {error} ({space}); {kept}{left}; the run stops here"
+
+    def warn_if_space_is_short(self, model, latest: Path | None) -> None:
+        """Warn when the run folder's filesystem cannot hold `keep_last + 1` checkpoints (a
+        new one is complete before the oldest is pruned). Their size is the latest
+        checkpoint's when resuming, else the model's state plus AdamW's two moments."""
+        size = tree_bytes(latest) if latest is not None else 3 * sum(
+            t.numel() * t.element_size() for t in model.state_dict().values()
+        )
+        needed, free = (self.keep_last + 1) * size, free_bytes(self.folder)
+        if free < needed:
+            log.warning(
+                f"only {format_bytes(free)} free under {self.folder}: ckpt.keep_last={self.keep_last} needs room for "
+                f"{self.keep_last + 1} checkpoints of about {format_bytes(size)} ({format_bytes(needed)})"
+            )
 
     def load(self, path: Path, model, optimizer, state_of_rank: int | None = None) -> dict[str, Any]:
         """Restore model and optimizer in place; return the JSON state of rank `state_of_rank`
@@ -157,8 +217,15 @@ class Checkpointer:
 
 
 def _damaged(path: Path, err: BaseException) -> UserError:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return UserError(f"checkpoint {path} is corrupt or incomplete ({first[:200]})")
+    return UserError(f"checkpoint {path} is corrupt or incomplete ({_first_line(err)})")
+
+
+def _first_line(err: BaseException) -> str:
+    """The cause in one line; for DCP's exception, that of the first rank it lists."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:200]
 
 
 def read_meta(path: Path) -> dict[str, Any]:

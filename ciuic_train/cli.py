@@ -33,14 +33,14 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import CompactHydraException, HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from ciuic_train import launch
+from ciuic_train import launch, runlock
 from ciuic_train.config import Config, register_configs, to_config
-from ciuic_train.errors import UserError
+from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError
 from ciuic_train.mesh import check_grad_consistency, refuse_comm_hook, resolve_mesh
 from ciuic_train.slurm import end_stopped_task, in_slurm_task
 from ciuic_train.tricks import trick_classes
@@ -62,11 +62,19 @@ def _hydra_job(cfg: DictConfig) -> float:
     config = to_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        if _is_rank_0():  # a sweep's job, or a task of our Hydra launchers; a run's is held since `main`
+            runlock.acquire(run_dir)
         summary = launch.current().start_workers(config, run_dir)
+        if summary is None:
+            summary = _train_in_this_process(cfg, config, run_dir)
+    except UserError as err:
+        fail(str(err))
     except launch.WorkersFailed as err:
         fail(str(err), status=1)
-    if summary is None:
-        summary = _train_in_this_process(cfg, config, run_dir)
+    except RunFailed as err:
+        _run_failed(str(err))
+    finally:
+        runlock.release(run_dir)
     if summary["stopped_by"]:
         _after_stop(summary["stopped_by"], _is_rank_0())
     return summary["final_val_loss"]
@@ -105,6 +113,37 @@ def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> di
     return summary
 
 
+class SweepJobFailed(CompactHydraException):
+    """A sweep's job that stopped itself; Hydra raises the first once every job has run,
+    printing this one line (a compact exception has no traceback)."""
+
+
+def _run_failed(message: str) -> None:
+    """A run that stopped itself (diverged, or cannot save): one line (empty: a worker
+    already printed it), also in train.log, and RUN_FAILED_STATUS. In a sweep the other
+    jobs still run: one diverging learning rate must not end an lr sweep."""
+    if message and _is_rank_0():
+        _write_to_log_files(message)
+    if HydraConfig.get().mode is RunMode.MULTIRUN:
+        if message:
+            print(f"{PROG}: error: {message}", file=sys.stderr)
+        raise SweepJobFailed(
+            f"{PROG}: error: sweep job #{HydraConfig.get().job.num} failed (see above and its train.log); "
+            "the other jobs ran"
+        )
+    if message:
+        fail(message, RUN_FAILED_STATUS)
+    sys.exit(RUN_FAILED_STATUS)
+
+
+def _write_to_log_files(message: str) -> None:
+    """Log an error to the run's log file only (the console gets it once, from `fail`)."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def _after_stop(signal_name: str, is_main: bool) -> None:
     """A signal stopped the run and its checkpoint is saved: a Slurm task ends without a
     result (requeued on the time-limit warning), and a sweep starts no further job."""
@@ -138,13 +177,27 @@ def main(argv: list[str] | None = None) -> None:
                     print_plan(job.config)
                 return
             if jobs:
-                argv += path.overrides_after_check(jobs[0].run_dir)
+                argv += _claim_folder(jobs[0], path, args.multirun)
         elif args.cfg:
             check_request(argv, config_only=True)
         # Hydra's own answers: --hydra-help, --info, --shell-completion, --help on another primary config.
     except UserError as err:
         fail(str(err))
     run_hydra_main(argv)
+
+
+def _claim_folder(job: "CheckedJob", path: launch.LaunchPath, multirun: bool) -> list[str]:
+    """Lock the folder the job (or sweep) will write, before Hydra writes anything there,
+    and pin it: Hydra resolves `${now:}` again when the job starts, maybe a second later.
+    Where a launcher started every rank, rank 0 holds the lock for all."""
+    if multirun:
+        sweep_dir = str(Path(job.sweep_dir).absolute())
+        runlock.acquire(sweep_dir)
+        return [f"hydra.sweep.dir={launch.quote_override(sweep_dir)}"]
+    run_dir = path.run_folder(job.run_dir)
+    if _is_rank_0():
+        runlock.acquire(run_dir)
+    return [f"hydra.run.dir={launch.quote_override(run_dir)}", *path.overrides_after_check(run_dir)]
 
 
 def parse_hydra_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -251,12 +304,14 @@ def _rank_log_handler(path: Path) -> logging.Handler:
 
 
 def _remove_unused_run_dir(run_dir: Path) -> None:
-    """Undo the folder Hydra made for a job that failed before writing any result of its own."""
-    hydra_files = {".hydra", "train.log"}
-    if not run_dir.is_dir() or any(p.name not in hydra_files for p in run_dir.iterdir()):
+    """Undo the folder made for a job that failed before writing any result of its own."""
+    made_for_it = {".hydra", "train.log", runlock.LOCK_NAME}
+    if not run_dir.is_dir() or any(p.name not in made_for_it for p in run_dir.iterdir()):
         return
+    runlock.release(run_dir)
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
-    (run_dir / "train.log").unlink(missing_ok=True)
+    for name in ("train.log", runlock.LOCK_NAME):
+        (run_dir / name).unlink(missing_ok=True)
     run_dir.rmdir()
 
 
@@ -288,6 +343,7 @@ def _is_rank_0() -> bool:
 class CheckedJob:
     config: Config
     run_dir: str  # hydra.run.dir as this process resolves it
+    sweep_dir: str  # hydra.sweep.dir, likewise
 
 
 def check_request(
@@ -422,7 +478,7 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
     launcher will decide it: each task checks its own mesh when it starts)."""
     with _as_user_errors():
         cfg = hydra.compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=True)
-        run_dir = str(cfg.hydra.run.dir)
+        run_dir, sweep_dir = str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
         config = to_config(_without_hydra(cfg))
     if not config_only and check_mesh:
         world_size = int(os.environ.get("WORLD_SIZE", config.dist.nnodes * config.dist.nproc_per_node))
@@ -438,7 +494,7 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
 
         find_sources(config.data)
         _check_resume(config, Path(run_dir))
-    return CheckedJob(config, run_dir)
+    return CheckedJob(config, run_dir, sweep_dir)
 
 
 def _check_resume(config: Config, run_dir: Path) -> None:

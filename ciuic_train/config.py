@@ -52,6 +52,17 @@ class Backend(Enum):
     nccl = "nccl"
 
 
+class OnNonFinite(Enum):
+    """What a step with a non-finite loss or gradient norm does (its update is never applied).
+
+    stop: end the run, naming the step and the last good checkpoint; skip: drop the step
+    and go on, stopping after `train.max_skipped_steps` such steps in a row.
+    """
+
+    stop = "stop"
+    skip = "skip"
+
+
 class Progress(Enum):
     """How training progress is shown: `auto` is a rich bar on a terminal, plain lines otherwise."""
 
@@ -103,6 +114,15 @@ class TrainConfig:
     # rank's own gradient and the all-reduced one (1 = every rank agrees). DDP only; its
     # all-reduce is then done by hand, in one collective, on those steps.
     log_grad_consistency: bool = False
+    # A step whose loss or gradient norm is NaN or infinite on any rank is never applied
+    # (no optimizer step, no checkpoint of its weights); then stop (default) or skip it.
+    on_nonfinite: OnNonFinite = OnNonFinite.stop
+    # With on_nonfinite=skip: stop once this many steps in a row were skipped.
+    max_skipped_steps: int = 5
+    # A step loss above spike_factor x the median of the last spike_window steps is logged
+    # as a warning and counted (`loss_spikes`), not acted on; 0 turns this off.
+    spike_factor: float = 2.0
+    spike_window: int = 100
 
 
 @dataclass
@@ -146,10 +166,13 @@ class CheckpointConfig:
 @dataclass
 class FaultConfig:
     """Fault injection for testing recovery: on the first attempt only, rank `kill_rank`
-    SIGKILLs itself right after optimizer step `at_step`."""
+    SIGKILLs itself right after optimizer step `at_step`; rank `nan_rank`'s loss is NaN
+    in optimizer step `nan_at_step` (every attempt), as a diverging rank's would be."""
 
     kill_rank: int = -1
     at_step: int = 0
+    nan_rank: int = -1
+    nan_at_step: int = 0
 
 
 @dataclass
@@ -216,6 +239,12 @@ def validate(config: Config) -> None:
         raise UserError(f"train.warmup_steps={train.warmup_steps} must be 0 or more")
     if train.lr <= 0:
         raise UserError(f"train.lr={train.lr} must be positive")
+    if train.max_skipped_steps < 1:
+        raise UserError(f"train.max_skipped_steps={train.max_skipped_steps} must be at least 1")
+    if train.spike_factor != 0 and train.spike_factor <= 1:
+        raise UserError(f"train.spike_factor={train.spike_factor} must be above 1, or 0 (off)")
+    if train.spike_window < 1:
+        raise UserError(f"train.spike_window={train.spike_window} must be at least 1")
     if train.grad_clip < 0:
         raise UserError(f"train.grad_clip={train.grad_clip} must be 0 (off) or positive")
     if train.seq_len > config.model.max_seq_len:

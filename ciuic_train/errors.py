@@ -1,5 +1,16 @@
-"""The one exception type for mistakes a user can fix: reported as one line, never a traceback."""
+"""The exceptions that end a run with one line instead of a traceback."""
+
+# Exit status of a run that stopped itself and said why (RunFailed); 2 is a user mistake.
+RUN_FAILED_STATUS = 3
 
 
 class UserError(Exception):
     """A bad value, path or combination in what the user asked for."""
+
+
+class RunFailed(Exception):
+    """The run cannot go on and says why in one line: it diverged, or it cannot save.
+
+    Raised on every rank together (the ranks agreed first), after anything it would have
+    lost is safe; the process exits with RUN_FAILED_STATUS.
+    """

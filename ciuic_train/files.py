@@ -1,9 +1,10 @@
-"""Files that appear whole or not at all."""
+"""Files that appear whole or not at all, and the space they take."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,3 +28,24 @@ def written_atomically(path: Path) -> Iterator[Path]:
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     with written_atomically(path) as tmp:
         tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure at 1 or more."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def free_bytes(path: Path) -> int:
+    """Free space for an unprivileged writer on the filesystem that holds `path` (or
+    would hold it: the nearest folder above that exists)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def tree_bytes(folder: Path) -> int:
+    """The size of the files under `folder`."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())

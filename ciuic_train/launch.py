@@ -27,14 +27,15 @@ what `LaunchPath` declares (each default does nothing), used in this order:
 3. `overrides_before_check(argv)`: Hydra overrides to add before the command is checked
    and composed (the run folder, say); also the place to set environment that must be
    there before torch is imported.
-4. `overrides_after_check(run_dir)`: overrides that need the run folder the check
-   resolved for the first job.
-5. `start_workers(config, run_dir)`: inside the Hydra job, start the processes that
+4. `run_folder(checked)`: the run folder, from the one the check resolved for the first
+   job (the CLI pins it and locks it before Hydra writes there).
+5. `overrides_after_check(run_dir)`: overrides that need that run folder.
+6. `start_workers(config, run_dir)`: inside the Hydra job, start the processes that
    train it, wait for them and return the summary they wrote (the job reads its
    `stopped_by` and `final_val_loss`); None: this process trains.
 
-`cli.main` asks `current()` for 1-4 before Hydra runs jobs (commands that only print
-skip them), and `cli._hydra_job` for 5.
+`cli.main` asks `current()` for 1-5 before Hydra runs jobs (commands that only print
+skip them), and `cli._hydra_job` for 6.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ import os
 import re
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from ciuic_train import runlock
 from ciuic_train.config import Config
+from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed
 from ciuic_train.slurm import WORKER_OVERRIDES, Task, in_slurm_task
 
 log = logging.getLogger("ciuic_train")
@@ -69,8 +73,12 @@ class LaunchPath:
         """Overrides to add to the command line `argv` before it is checked."""
         return []
 
+    def run_folder(self, checked: str) -> str:
+        """The run folder (absolute), from the one the check resolved."""
+        return str(Path(checked).absolute())
+
     def overrides_after_check(self, run_dir: str) -> list[str]:
-        """Overrides to add once the check has resolved the first job's run folder."""
+        """Overrides to add once the run folder is known."""
         return []
 
     def start_workers(self, config: Config, run_dir: Path) -> dict[str, Any] | None:
@@ -113,17 +121,18 @@ class ElasticWorker(LaunchPath):
     def applies(cls) -> bool:
         return "TORCHELASTIC_RUN_ID" in os.environ
 
-    def overrides_after_check(self, run_dir: str) -> list[str]:
-        """One run folder for all ranks, written by rank 0 only.
+    def run_folder(self, checked: str) -> str:
+        """One run folder for all ranks.
 
         Each rank composes its own config, and `${now:}` can differ between them, so the
         folder is agreed through the elastic agent's store: the first rank to propose one
         wins, and a restarted worker group finds the same folder again.
         """
-        overrides = [f"hydra.run.dir={quote_override(_agree_run_dir(run_dir))}"]
-        if int(os.environ.get("RANK", 0)) != 0:
-            overrides += WORKER_OVERRIDES
-        return overrides
+        return _agree_run_dir(checked)
+
+    def overrides_after_check(self, run_dir: str) -> list[str]:
+        """Rank 0 alone writes in the run folder."""
+        return list(WORKER_OVERRIDES) if int(os.environ.get("RANK", 0)) != 0 else []
 
 
 class ElasticLauncher(LaunchPath):
@@ -163,12 +172,17 @@ class ElasticLauncher(LaunchPath):
             monitor_interval=0.5,
         )
         log.info(f"starting {nproc} workers (torch elastic launcher) in {run_dir}")
+        runlock.lend_to_children(run_dir)
         try:
-            elastic_launch(launch, sys.executable)("-m", "ciuic_train", *overrides)
+            with _elastic_logs_quiet():
+                elastic_launch(launch, sys.executable)("-m", "ciuic_train", *overrides)
         except ChildFailedError as err:
             exit_codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
-            if is_user_error_exit(exit_codes):
-                raise SystemExit(2) from None  # rank 0 has already said what the mistake was
+            reported = reported_exit_status(exit_codes)  # rank 0 has already said what went wrong
+            if reported == RUN_FAILED_STATUS:
+                raise RunFailed("") from None
+            if reported is not None:
+                raise SystemExit(reported) from None
             failed = ", ".join(f"rank {rank} exit code {code}" for rank, code in sorted(exit_codes.items()))
             raise WorkersFailed(f"workers failed ({failed}); see {run_dir / 'train.log'}") from None
         summary = run_dir / "summary.json"
@@ -176,6 +190,23 @@ class ElasticLauncher(LaunchPath):
             return {"stopped_by": "a signal", "final_val_loss": float("nan")}
         return json.loads(summary.read_text())
 
+
+@contextmanager
+def _elastic_logs_quiet() -> Iterator[None]:
+    """Torch's elastic agent logs each worker it stops and each exit code; the workers
+    and `WorkersFailed` already say what went wrong, in one line."""
+    loggers = [logging.getLogger(name) for name in logging.root.manager.loggerDict if name.startswith(ELASTIC_LOGS)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+ELASTIC_LOGS = "torch.distributed.elastic"
 
 # Checked in this order: a torchrun worker inside a Slurm job is an ElasticWorker, not an SrunTask.
 PATHS: tuple[type[LaunchPath], ...] = (SrunTask, ElasticWorker, ElasticLauncher)
@@ -190,21 +221,25 @@ class WorkersFailed(Exception):
     """Workers this process started crashed; the message names each failed rank."""
 
 
-def is_user_error_exit(exit_codes: dict[int, int]) -> bool:
-    """Whether failed workers' exit codes by rank mean a user mistake, not a crash.
+def reported_exit_status(exit_codes: dict[int, int]) -> int | None:
+    """The status to exit with when failed workers' exit codes by rank mean that rank 0
+    said what went wrong, not a crash; None otherwise.
 
-    Rank 0 exits 2 after saying what was wrong. The other ranks hit the same mistake, but
-    one still on its way there when rank 0 exits is stopped by the launcher (SIGTERM, then
-    SIGKILL), which is no crash of its own.
+    Rank 0 exits 2 after a user mistake, 3 after a run stopped itself (`RunFailed`). The
+    other ranks meet the same end, but one still on its way there when rank 0 exits is
+    stopped by the launcher (SIGTERM, then SIGKILL), which is no crash of its own.
     """
-    stopped = {2, -signal.SIGTERM, -signal.SIGKILL}
-    return exit_codes.get(0) == 2 and all(code in stopped for code in exit_codes.values())
+    status = exit_codes.get(0)
+    if status not in (2, RUN_FAILED_STATUS):
+        return None
+    stopped = {status, -signal.SIGTERM, -signal.SIGKILL}
+    return status if all(code in stopped for code in exit_codes.values()) else None
 
 
 def _agree_run_dir(proposal: str) -> str:
     """The first proposal any rank of this worker group made (our own, without an agent store)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return proposal
+        return str(Path(proposal).absolute())
     from datetime import timedelta
 
     from torch.distributed import TCPStore

@@ -4,20 +4,27 @@
 - `Throughput`: training tokens per second, with evaluation and saving left out;
 - `StopRequest`: a signal (Slurm's cancel or time-limit warning, Ctrl-C) that ends the
   run after the current step, agreed by every rank;
-- `inject_fault`: a rank that kills itself on purpose, to rehearse recovery.
+- `LossWatch`: every step's one agreement between ranks (its loss, whether it is finite,
+  a stop signal), the non-finite guard and the loss-spike warning;
+- `inject_fault`, `poison_loss`: a rank that kills itself, or whose loss is NaN, on
+  purpose, to rehearse recovery.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
+import statistics
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from ciuic_train.config import CheckpointConfig, FaultConfig, TrainConfig
+from ciuic_train.config import CheckpointConfig, FaultConfig, OnNonFinite, TrainConfig
 
 log = logging.getLogger("ciuic_train")
 
@@ -26,7 +33,8 @@ class Cadence:
     """When the loop evaluates, saves and logs, after optimizer step `step` (1-based).
 
     The last step does all three. Saving follows the `should_save` policy (a trick's
-    seam), except at the last step and when a stop is agreed, which always save.
+    seam), except at the last step and when a stop is agreed, which always save, and
+    after a skipped step, which saves only then.
     """
 
     def __init__(self, train: TrainConfig, ckpt: CheckpointConfig, should_save: Callable[[int, int], bool]):
@@ -40,10 +48,13 @@ class Cadence:
     def evaluates(self, step: int) -> bool:
         return step % self.train.eval_every == 0 or self.is_last(step)
 
-    def saves(self, step: int, stopping: bool) -> bool:
+    def saves(self, step: int, stopping: bool, applied: bool = True) -> bool:
         # The policy is asked only when neither forces a save: a policy may count its
-        # candidates or agree with the other ranks on each one.
-        return self.is_last(step) or stopping or self.should_save(step, self.ckpt_every)
+        # candidates or agree with the other ranks on each one. After a skipped step
+        # (`LossWatch`) it is not asked: its weights are no newer, and the save would
+        # prune an older checkpoint, perhaps the last one from before the trouble.
+        forced = self.is_last(step) or stopping
+        return forced or (applied and self.should_save(step, self.ckpt_every))
 
     def logs(self, step: int, evaluated: bool, stopping: bool) -> bool:
         return step % self.train.log_every == 0 or self.is_last(step) or evaluated or stopping
@@ -115,14 +126,98 @@ class StopRequest:
         self.received = max(self.received, 1 + self.SIGNALS.index(signum))
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    def agreed(self, parallel) -> str | None:
-        """The signal's name once any rank has one, the same on every rank (a collective)."""
-        highest = parallel.max(self.received)
-        return self.SIGNALS[highest - 1].name if highest else None
+    def votes(self) -> list[float]:
+        """This rank's vote, one slot per signal, for `decide` once summed over ranks."""
+        return [float(self.received == i + 1) for i in range(len(self.SIGNALS))]
+
+    @classmethod
+    def decide(cls, totals: list[float]) -> str | None:
+        """The highest signal any rank saw, from the votes summed over ranks; None: none."""
+        seen = [sig.name for sig, count in zip(cls.SIGNALS, totals) if count]
+        return seen[-1] if seen else None
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """What every rank agreed on after a step's backward, before its update."""
+
+    loss: float  # the step's loss, mean over ranks
+    grad_norm: float
+    finite: bool  # the loss and gradient norm are finite on every rank
+    stop_signal: str | None  # a signal any rank received (`StopRequest.decide`)
+
+
+class LossWatch:
+    """The guard between a step's gradients and its update, and the loss-spike warning.
+
+    `agree` is the step's one collective (it replaces the stop-signal agreement the loop
+    needed anyway): each rank's loss, non-finite flag and signal votes, summed. `judge`
+    then tells every rank alike whether to apply the step, skip it or stop the run
+    (`train.on_nonfinite`). A finite loss above `train.spike_factor` times the median of
+    the last `train.spike_window` steps is reported and counted, not acted on: spikes
+    often recover, and skipping the batches behind them is a choice for the user.
+    """
+
+    def __init__(self, train: TrainConfig, is_main: bool):
+        self.on_nonfinite = train.on_nonfinite
+        self.max_skipped_steps = train.max_skipped_steps
+        self.spike_factor = train.spike_factor
+        self.is_main = is_main
+        self.recent: deque[float] = deque(maxlen=train.spike_window)
+        self.min_history = min(10, train.spike_window)  # a median of fewer steps is noise
+        self.skipped_in_a_row = 0
+        self.skipped_steps = 0
+        self.loss_spikes = 0
+
+    def agree(self, parallel, loss: float, grad_norm: float, stop_votes: list[float]) -> StepCheck:
+        bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        totals = parallel.sum([loss, grad_norm, float(bad), *stop_votes])
+        world = parallel.world_size
+        return StepCheck(totals[0] / world, totals[1] / world, totals[2] == 0, StopRequest.decide(totals[3:]))
+
+    def judge(self, step: int, check: StepCheck) -> str:
+        """`apply`, `skip` or `stop` for optimizer step `step` (1-based), the same on every rank."""
+        if check.finite:
+            self.skipped_in_a_row = 0
+            self._watch_spike(step, check.loss)
+            return "apply"
+        if self.on_nonfinite is OnNonFinite.stop:
+            return "stop"
+        self.skipped_in_a_row += 1
+        self.skipped_steps += 1
+        if self.skipped_in_a_row >= self.max_skipped_steps:
+            return "stop"
+        if self.is_main:
+            log.warning(f"step {step}: loss {check.loss:.4g}, grad norm {check.grad_norm:.4g}; step skipped "
+                        f"({self.skipped_in_a_row} in a row, train.max_skipped_steps={self.max_skipped_steps})")
+        return "skip"
+
+    def _watch_spike(self, step: int, loss: float) -> None:
+        if self.spike_factor and len(self.recent) >= self.min_history:
+            median = statistics.median(self.recent)
+            if loss > self.spike_factor * median:
+                self.loss_spikes += 1
+                if self.is_main:
+                    log.warning(f"step {step}: loss spike, {loss:.4f} is {loss / median:.1f}x the median "
+                                f"{median:.4f} of the last {len(self.recent)} steps (train.spike_factor="
+                                f"{self.spike_factor:g})")
+        self.recent.append(loss)
+
+    def metrics(self) -> dict[str, int]:
+        return {"skipped_steps": self.skipped_steps, "loss_spikes": self.loss_spikes}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": list(self.recent), "skipped_in_a_row": self.skipped_in_a_row, **self.metrics()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recent.extend(state["recent"])
+        self.skipped_in_a_row = state["skipped_in_a_row"]
+        self.skipped_steps = state["skipped_steps"]
+        self.loss_spikes = state["loss_spikes"]
 
 
 def inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
@@ -132,3 +227,8 @@ def inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
         log.warning(f"fault injection: rank {rank} kills itself after step {step}")
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poison_loss(fault: FaultConfig, rank: int, step: int, loss):
+    """The loss, or NaN in its place on rank `fault.nan_rank` in step `fault.nan_at_step` (1-based)."""
+    return loss * float("nan") if rank == fault.nan_rank and step == fault.nan_at_step else loss

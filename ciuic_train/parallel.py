@@ -123,13 +123,11 @@ class Parallel:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         return self.all_reduce_sum_(t).item() / self.world_size
 
-    def max(self, value: int) -> int:
-        """The largest of a per-rank integer over all ranks."""
+    def sum(self, values: list[float]) -> list[float]:
+        """Each of a few per-rank numbers summed over all ranks, in one collective."""
         if self.world_size == 1:
-            return value
-        t = torch.tensor([value], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+            return list(values)
+        return self.all_reduce_sum_(torch.tensor(values, dtype=torch.float64, device=self.device)).tolist()
 
     def gather(self, value: str) -> list[str]:
         if self.world_size == 1:

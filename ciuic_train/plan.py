@@ -126,6 +126,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ciuic_train.config import Config, Device, Precision
+from ciuic_train.files import format_bytes
 from ciuic_train.mesh import MeshShape, resolve_mesh
 
 if TYPE_CHECKING:
@@ -416,14 +417,6 @@ def _communication(config: Config, model: nn.Module, mesh: MeshShape, widths: Wi
 # --- Printing -----------------------------------------------------------------------------
 
 
-def _size(n: float) -> str:
-    """Bytes in the largest binary unit that keeps the figure at 1 or more."""
-    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def print_plan(config: Config) -> None:
     """Build the model on the meta device (no memory) and print its size, the run's shape,
     and the per-rank memory and communication for the mesh."""
@@ -474,31 +467,31 @@ def _memory_table(config: Config, f: dict[str, Any]) -> Any:
     table.add_column("how")
 
     def split(d: dict[str, int]) -> str:
-        return f"experts {_size(d['experts'])} + other {_size(d['other'])}"
+        return f"experts {format_bytes(d['experts'])} + other {format_bytes(d['other'])}"
 
-    table.add_row("parameters", _size(sum(mem["params"].values())), f"fp32; {split(mem['params'])} (exact)")
-    table.add_row("gradients", _size(sum(mem["grads"].values())), "fp32, as the parameters (exact)")
-    table.add_row("AdamW state", _size(sum(mem["optimizer"].values())), "2 x fp32 per parameter (exact)")
+    table.add_row("parameters", format_bytes(sum(mem["params"].values())), f"fp32; {split(mem['params'])} (exact)")
+    table.add_row("gradients", format_bytes(sum(mem["grads"].values())), "fp32, as the parameters (exact)")
+    table.add_row("AdamW state", format_bytes(sum(mem["optimizer"].values())), "2 x fp32 per parameter (exact)")
     if mem["ddp_buckets"]:
-        table.add_row("DDP buckets", _size(mem["ddp_buckets"]), "the reducer's fp32 copy of the gradients")
+        table.add_row("DDP buckets", format_bytes(mem["ddp_buckets"]), "the reducer's fp32 copy of the gradients")
     if mem["accumulated_grads"]:
-        table.add_row("accumulated grads", _size(mem["accumulated_grads"]),
+        table.add_row("accumulated grads", format_bytes(mem["accumulated_grads"]),
                       "grad_accum > 1: FSDP2 keeps unsharded fp32 gradients between micro-batches")
     if mesh["strategy"] in ("fsdp", "hsdp"):
-        table.add_row("largest block all-gather", _size(mem["largest_block_all_gather"]), f"{gathered} (exact)")
-        table.add_row("root all-gather", _size(mem["root_all_gather"]), f"{gathered}, held all step (exact)")
-        table.add_row("FSDP buffers", _size(mem["fsdp_buffers"]),
+        table.add_row("largest block all-gather", format_bytes(mem["largest_block_all_gather"]), f"{gathered} (exact)")
+        table.add_row("root all-gather", format_bytes(mem["root_all_gather"]), f"{gathered}, held all step (exact)")
+        table.add_row("FSDP buffers", format_bytes(mem["fsdp_buffers"]),
                       "root + 2 x largest block + one unit's gradients (estimate)")
     acts = mem["activations"]
     tokens = f"{config.train.batch_size} x {config.train.seq_len} tokens"
     for key, label in (("no_ac", "without AC"), ("ac", "with AC")):
         configured = ", as configured" if (key == "ac") == f["activation_checkpointing"] else ""
-        table.add_row(f"activations {label}", _size(acts[key]), f"{tokens}, estimate{configured}")
+        table.add_row(f"activations {label}", format_bytes(acts[key]), f"{tokens}, estimate{configured}")
     for key, label in (("no_ac", "without AC"), ("ac", "with AC")):
         verdicts = ", ".join(
             f"{gpu} ({cap:g} GiB): {'fits' if f['fits'][gpu][key] else 'does not fit'}" for gpu, cap in GPUS.items()
         )
-        table.add_row(f"total {label}", _size(mem["total"][key]), verdicts)
+        table.add_row(f"total {label}", format_bytes(mem["total"][key]), verdicts)
     return table
 
 
@@ -512,12 +505,12 @@ def _comm_table(f: dict[str, Any]) -> Any:
     table.add_column("what")
     ar = comm["all_reduce"]
     parts = [
-        f"{name} {_size(ar[key])}"
+        f"{name} {format_bytes(ar[key])}"
         for key, name in (("ddp_grads", "DDP grads"), ("hsdp_replicas", "HSDP replicas"), ("moe_load", "MoE load"))
         if ar[key]
     ]
-    table.add_row("all-gather", _size(comm["all_gather"]), "FSDP: blocks forward + backward, root once (exact)")
-    table.add_row("reduce-scatter", _size(comm["reduce_scatter"]), "FSDP: fp32 gradients, once a step (exact)")
-    table.add_row("all-reduce", _size(ar["total"]), (", ".join(parts) or "none") + " (exact)")
-    table.add_row("all-to-all", _size(comm["all_to_all"]), "EP: token rows, uniform routing (estimate)")
+    table.add_row("all-gather", format_bytes(comm["all_gather"]), "FSDP: blocks forward + backward, root once (exact)")
+    table.add_row("reduce-scatter", format_bytes(comm["reduce_scatter"]), "FSDP: fp32 gradients, once a step (exact)")
+    table.add_row("all-reduce", format_bytes(ar["total"]), (", ".join(parts) or "none") + " (exact)")
+    table.add_row("all-to-all", format_bytes(comm["all_to_all"]), "EP: token rows, uniform routing (estimate)")
     return table

@@ -11,12 +11,15 @@ One optimizer step (`Trainer.train_step`):
         backward(loss * weight)             gradients cross ranks on the last micro-batch only
                                             (DDP's all-reduce, or tricks.comm_hook in its place;
                                             FSDP2's reduce-scatter, plus all-reduce under HSDP)
-    clip the global gradient norm (across every mesh), optimizer step
-    MoE: one balancing step from the tokens each expert received
+    clip the global gradient norm (across every mesh)
+    ranks agree: mean loss, finite?, stop?  (`LossWatch.agree`, the step's one small collective)
+    if finite: optimizer step; MoE: one balancing step from the tokens each expert received
+    else: no update; stop the run, or skip the step (train.on_nonfinite)
 
 The run (`Trainer.fit`): steps until `train.max_steps`; after each, evaluate, save
 (<- tricks.should_save) and log when `Cadence` says so; a stop signal (`StopRequest`)
-saves and ends the run after the current step. `tricks.init_weights` runs once, on the
+saves and ends the run after the current step. A non-finite step never reaches the
+weights, so no checkpoint ever holds them. `tricks.init_weights` runs once, on the
 freshly built model. The seams are defined in ciuic_train/tricks/base.py.
 """
 
@@ -31,12 +34,19 @@ from typing import Any
 
 import torch
 
-from ciuic_train.checkpoint import Checkpointer, check_resumable, read_meta, resolve_resume, run_fingerprint
-from ciuic_train.config import Config, Device, Precision
+from ciuic_train.checkpoint import (
+    Checkpointer,
+    check_resumable,
+    complete_checkpoints,
+    read_meta,
+    resolve_resume,
+    run_fingerprint,
+)
+from ciuic_train.config import Config, Device, OnNonFinite, Precision
 from ciuic_train.data import WindowSampler, eval_indices, get_batch, load_tokens, n_windows, unigram_entropy
-from ciuic_train.errors import UserError
+from ciuic_train.errors import RunFailed, UserError
 from ciuic_train.files import write_json_atomic
-from ciuic_train.loop import Cadence, StopRequest, Throughput, inject_fault
+from ciuic_train.loop import Cadence, LossWatch, StepCheck, StopRequest, Throughput, inject_fault, poison_loss
 from ciuic_train.mesh import check_grad_consistency
 from ciuic_train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.model import Transformer, count_parameters, generate
@@ -114,11 +124,16 @@ class Trainer:
         )
         self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum * world
         self.cadence = Cadence(train, config.ckpt, self.tricks.should_save)
+        self.watch = LossWatch(train, self.parallel.is_main)
         self.step = 0
         self.checkpointer = Checkpointer(run_dir / "checkpoints", rank, world, config.ckpt.keep_last)
         self.resumed_from = resolve_resume(config.resume, run_dir)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
+        elif self.parallel.is_main:  # a fresh start: lines a previous attempt logged are not this run's
+            drop_metrics_after(run_dir / "metrics.jsonl", 0)
+        if self.parallel.is_main:
+            self.checkpointer.warn_if_space_is_short(self.model, self.resumed_from)
 
     def _meta(self) -> dict[str, Any]:
         fingerprint = run_fingerprint(self.config.model, self.tricks.names, self.parallel.world_size)
@@ -129,6 +144,7 @@ class Trainer:
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "tricks": self.tricks.state_dict(),
+            "loss_watch": self.watch.state_dict(),
         }
         meta = {**self._meta(), "data": self.sampler.global_position()}
         return self.checkpointer.save(self.step, self.model, self.optimizer, rank_state, meta)
@@ -143,6 +159,8 @@ class Trainer:
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"] if same_world else self.sampler.share_of(meta["data"]))
         self.tricks.load_state_dict(state["tricks"])
+        if "loss_watch" in state:  # absent from checkpoints that predate it
+            self.watch.load_state_dict(state["loss_watch"])
         if self.parallel.is_main:
             drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
         log.info(f"resumed from {path} at step {self.step}")
@@ -156,8 +174,12 @@ class Trainer:
         inputs, targets = get_batch(split, indices, self.config.train.seq_len)
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over `grad_accum` micro-batches; returns its figures (this rank's loss)."""
+    def train_step(self, stop: StopRequest | None = None) -> dict[str, Any]:
+        """One optimizer step over `grad_accum` micro-batches; returns its figures, the
+        loss as the mean over ranks, and the stop signal the ranks agreed on (`stop`).
+
+        Raises RunFailed when a non-finite step ends the run (`train.on_nonfinite`).
+        """
         train = self.config.train
         lr = self.tricks.lr_at(self.step, self.lr_schedule)
         for group in self.optimizer.param_groups:
@@ -172,6 +194,7 @@ class Trainer:
             sync = i == len(weights) - 1 and not measure_consistency
             with self.parallel.grad_sync(self.wrapped_model, enabled=sync):
                 loss = self.tricks.transform_loss(self._loss(inputs, targets), self.step)
+                loss = poison_loss(self.config.fault, self.parallel.info.rank, self.step + 1, loss)
                 (loss * weight).backward()
             loss_sum += loss.item() * weight
         figures = {}
@@ -180,12 +203,34 @@ class Trainer:
 
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm)
-        self.optimizer.step()
+        check = self.watch.agree(self.parallel, loss_sum / sum(weights), grad_norm, stop.votes() if stop else [])
+        verdict = self.watch.judge(self.step + 1, check)
+        if verdict == "apply":
+            self.optimizer.step()
+            moe_imbalance = self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)
+        else:
+            self.model.forget_expert_counts()
+            moe_imbalance = float("nan")
         self.optimizer.zero_grad(set_to_none=True)
-        moe_imbalance = self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)
+        if verdict == "stop":
+            raise RunFailed(self._nonfinite_message(check, lr))
         self.step += 1
-        return {"loss": loss_sum / sum(weights), "lr": lr, "grad_norm": grad_norm, "moe_imbalance": moe_imbalance,
-                **figures}
+        return {"loss": check.loss, "lr": lr, "grad_norm": check.grad_norm, "moe_imbalance": moe_imbalance,
+                "applied": verdict == "apply", "stop_signal": check.stop_signal, **figures}
+
+    def _nonfinite_message(self, check: StepCheck, lr: float) -> str:
+        """Why the run stops, and how to continue from the last checkpoint that is good."""
+        step = self.step + 1
+        what = f"step {step}: loss {check.loss:.4g}, grad norm {check.grad_norm:.4g} at lr {lr:.3g}"
+        if self.config.train.on_nonfinite is OnNonFinite.skip:
+            what += f", {self.watch.skipped_in_a_row} non-finite steps in a row (train.max_skipped_steps)"
+        saved = complete_checkpoints(self.run_dir / "checkpoints")
+        last_good = f"last good checkpoint {saved[-1]}" if saved else "no checkpoint was saved before it"
+        resume = "" if self.config.resume == "auto" else " resume=auto"
+        return (
+            f"training diverged at {what}; that update was not applied; {last_good}; continue with a lower "
+            f"learning rate: rerun with train.lr={self.config.train.lr / 10:g} hydra.run.dir={self.run_dir}{resume}"
+        )
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -213,24 +258,25 @@ class Trainer:
         is_main = self.parallel.is_main
         metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None)
         throughput = Throughput(self.tokens_per_step)
-        losses_since_log: list[float] = []
+        losses_since_log: list[float] = []  # mean over ranks of each applied step's loss
         last_val, last_logged_loss, stopped_by = float("nan"), float("nan"), None
         self.wrapped_model.train()
         with ProgressDisplay(self.config.train.max_steps, self.config.progress.value, enabled=is_main) as progress, \
                 StopRequest() as stop:
             progress.advance(self.step)
             while self.step < self.config.train.max_steps:
-                figures = self.train_step()
+                figures = self.train_step(stop)
                 throughput.count_step()
-                losses_since_log.append(figures["loss"])
+                if figures["applied"]:
+                    losses_since_log.append(figures["loss"])
                 progress.advance(self.step)
 
                 evaluated = self.cadence.evaluates(self.step)
                 if evaluated:
                     with throughput.paused():
                         last_val = self.evaluate()
-                stopped_by = stop.agreed(self.parallel)
-                if self.cadence.saves(self.step, stopping=stopped_by is not None):
+                stopped_by = figures["stop_signal"]
+                if self.cadence.saves(self.step, stopping=stopped_by is not None, applied=figures["applied"]):
                     with throughput.paused():
                         self.save_checkpoint()
                 if self.cadence.logs(self.step, evaluated, stopping=stopped_by is not None):
@@ -258,8 +304,8 @@ class Trainer:
         """One line of metrics.jsonl: this step's figures, the window's mean loss and speed."""
         return {
             "step": self.step,
-            # The mean over ranks of each rank's mean loss since the last log line.
-            "loss": self.parallel.mean(sum(losses_since_log) / len(losses_since_log)),
+            # The mean loss of the steps applied since the last log line (NaN: none was).
+            "loss": sum(losses_since_log) / len(losses_since_log) if losses_since_log else float("nan"),
             "lr": figures["lr"],
             "grad_norm": figures["grad_norm"],
             "moe_imbalance": figures["moe_imbalance"],
@@ -268,6 +314,7 @@ class Trainer:
             "elapsed_s": throughput.elapsed_s(),
             **({"val_loss": val_loss} if val_loss is not None else {}),
             "checkpoints": self.checkpointer.saves,
+            **self.watch.metrics(),
             **self.tricks.metrics(),
         }
 
@@ -302,6 +349,7 @@ class Trainer:
             "kernels": self.config.model.kernels,
             "device": str(self.device),
             "precision": self.config.precision.value,
+            **self.watch.metrics(),
             "checkpoint_saves": self.checkpointer.saves,
             "checkpoint_seconds": self.checkpointer.seconds,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
@@ -317,12 +365,17 @@ class Trainer:
         return summary
 
     def sample(self) -> str | None:
-        """Text generated from the configured prompt; None when tokens are not bytes or none are asked."""
+        """Text generated from the configured prompt; None when tokens are not bytes or none
+        are asked, or when sampling fails: a finished run never fails on its sample."""
         if self.config.data.name == "tokens" or self.config.sample.max_new_tokens == 0:
             return None
         cfg = self.config.sample
         prompt = torch.tensor([list(cfg.prompt.encode("utf-8"))], dtype=torch.long, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
-        with self.autocast:
-            out = generate(self.model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
+        try:
+            with self.autocast:
+                out = generate(self.model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
+        except RuntimeError as err:  # e.g. weights whose logits overflow: no distribution to sample from
+            log.warning(f"no sample: {str(err).strip().splitlines()[0]}")
+            return None
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")

@@ -86,12 +86,12 @@ def test_elastic_workers_take_the_first_proposed_folder(env, tmp_path):
     env.setenv("MASTER_ADDR", "127.0.0.1")
     env.setenv("MASTER_PORT", str(port))
     env.setenv("RANK", "0")
-    first = launch.ElasticWorker().overrides_after_check(str(tmp_path / "12-00-00"))
+    first = launch.ElasticWorker().run_folder(str(tmp_path / "12-00-00"))
+    assert launch.ElasticWorker().overrides_after_check(first) == []
     env.setenv("RANK", "1")
-    second = launch.ElasticWorker().overrides_after_check(str(tmp_path / "12-00-01"))
-    agreed = f"hydra.run.dir={launch.quote_override(str(tmp_path / '12-00-00'))}"
-    assert first == [agreed]
-    assert second == [agreed, *WORKER_OVERRIDES]
+    second = launch.ElasticWorker().run_folder(str(tmp_path / "12-00-01"))
+    assert launch.ElasticWorker().overrides_after_check(second) == list(WORKER_OVERRIDES)
+    assert first == second == str(tmp_path / "12-00-00")
     assert agent_store.get("ciuic_train/run_dir/run-1").decode() == str(tmp_path / "12-00-00")
 
 
@@ -108,16 +108,19 @@ def test_quoted_values_read_back_verbatim(value):
 
 
 @pytest.mark.parametrize(
-    "exit_codes, user_error",
+    "exit_codes, reported",
     [
-        ({0: 2, 1: 2}, True),
-        ({0: 2, 1: -15}, True),  # rank 1, still on its way to the same mistake, stopped by the launcher
-        ({0: 2, 1: -9}, True),
-        ({0: 2, 1: 1}, False),  # a crash beside the mistake
-        ({0: 2, 1: -11}, False),
-        ({0: -15, 1: 2}, False),  # rank 0 was stopped before it could say what was wrong
-        ({0: 1}, False),
+        ({0: 2, 1: 2}, 2),
+        ({0: 2, 1: -15}, 2),  # rank 1, still on its way to the same mistake, stopped by the launcher
+        ({0: 2, 1: -9}, 2),
+        ({0: 2, 1: 1}, None),  # a crash beside the mistake
+        ({0: 2, 1: -11}, None),
+        ({0: -15, 1: 2}, None),  # rank 0 was stopped before it could say what was wrong
+        ({0: 1}, None),
+        ({0: 3, 1: 3}, 3),  # the run stopped itself (diverged, cannot save) and rank 0 said why
+        ({0: 3, 1: -15}, 3),
+        ({0: 3, 1: 2}, None),  # rank 1 met something else
     ],
 )
-def test_workers_exit_as_a_user_error_only_when_rank_0_reported_one_and_no_rank_crashed(exit_codes, user_error):
-    assert launch.is_user_error_exit(exit_codes) is user_error
+def test_workers_exit_as_reported_only_when_rank_0_said_why_and_no_rank_crashed(exit_codes, reported):
+    assert launch.reported_exit_status(exit_codes) == reported

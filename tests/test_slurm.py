@@ -144,12 +144,12 @@ def test_a_cancel_outranks_a_time_limit_warning():
 
     single = Parallel(DistConfig(), torch.device("cpu"), n_routed_experts=4)
     with StopRequest() as stop:
-        assert stop.agreed(single) is None
+        assert StopRequest.decide(single.sum(stop.votes())) is None
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert stop.agreed(single) == "SIGUSR1"
+        assert StopRequest.decide(single.sum(stop.votes())) == "SIGUSR1"
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert stop.agreed(single) == "SIGTERM"
+        assert StopRequest.decide(single.sum(stop.votes())) == "SIGTERM"
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # restored
 
 

@@ -438,6 +438,11 @@ class Transformer(nn.Module):
             moe.tokens_per_expert.zero_()
         return imbalance
 
+    def forget_expert_counts(self) -> None:
+        """Drop the counts of a step that is not applied, instead of `balance_experts`."""
+        for moe in self.moe_layers().values():
+            moe.tokens_per_expert.zero_()
+
 
 def count_parameters(model: Transformer) -> tuple[int, int]:
     """(total, active per token) parameter counts.
