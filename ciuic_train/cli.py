@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import importlib.resources
 import itertools
 import json
@@ -99,6 +100,15 @@ def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> di
         if info.is_main:
             _remove_unused_run_dir(run_dir)
         fail(str(err))
+    except RunFailed:
+        raise
+    except OSError as err:
+        if err.errno not in WRITE_ERRNOS:
+            raise
+        raise RunFailed(  # a full disk outside a save (which says more: Checkpointer.save)
+            f"writing {err.filename} failed: {err.strerror}; the run stops here, its checkpoints are intact "
+            "(rerun the same command to resume)"
+        ) from None
     except Exception as err:  # a peer or the network gone: every rank says what it saw, in one line
         message = lost_peers_message(err, config.dist.timeout_s, parallel.addresses if parallel else [])
         if message is None:
@@ -111,6 +121,10 @@ def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> di
     if info.is_main and not summary["stopped_by"]:
         show_results(summary, sample, config.sample.prompt)
     return summary
+
+
+# Write errors of the run folder's filesystem: no space, quota, read-only, I/O, file size limit.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG)
 
 
 class SweepJobFailed(CompactHydraException):

@@ -191,6 +191,9 @@ class ElasticLauncher(LaunchPath):
         return json.loads(summary.read_text())
 
 
+ELASTIC_LOGS = "torch.distributed.elastic"
+
+
 @contextmanager
 def _elastic_logs_quiet() -> Iterator[None]:
     """Torch's elastic agent logs each worker it stops and each exit code; the workers
@@ -205,8 +208,6 @@ def _elastic_logs_quiet() -> Iterator[None]:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
 
-
-ELASTIC_LOGS = "torch.distributed.elastic"
 
 # Checked in this order: a torchrun worker inside a Slurm job is an ElasticWorker, not an SrunTask.
 PATHS: tuple[type[LaunchPath], ...] = (SrunTask, ElasticWorker, ElasticLauncher)

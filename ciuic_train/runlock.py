@@ -66,7 +66,7 @@ def acquire(folder: Path | str) -> None:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join(["ciuic-train", *sys.argv[1:]]),  # also under torchrun's `-m ciuic_train`
     }
     os.write(fd, (json.dumps(me) + "\n").encode())
     _held[_key(folder)] = fd

@@ -43,7 +43,11 @@ def test_torchrun_ranks_share_one_run_folder_written_by_rank_0(tmp_path, text_co
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
     assert [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == [4, 8, 12]
-    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "checkpoints", "metrics.jsonl", "summary.json", "train.log"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        ".ciuic-train.lock", ".hydra", "checkpoints", "metrics.jsonl", "summary.json", "train.log"
+    ]
+    holder = json.loads((run_dir / ".ciuic-train.lock").read_text())  # rank 0 held it for the job
+    assert holder["command"].startswith("ciuic-train ") and "train.max_steps=12" in holder["command"]
     assert result.stdout.count("step 12 |") == 1  # rank 0 alone reports
 
 
