@@ -52,6 +52,25 @@ class Backend(Enum):
     nccl = "nccl"
 
 
+class Schedule(Enum):
+    """The learning rate after warmup: `cosine` decays from the peak to optim.min_lr_ratio
+    over the rest of the run; `wsd` (warmup-stable-decay) stays at the peak and decays
+    over the last optim.decay_fraction of the steps; `constant` stays at the peak."""
+
+    cosine = "cosine"
+    wsd = "wsd"
+    constant = "constant"
+
+
+class DecayShape(Enum):
+    """How `wsd` decays: from 1 to 0 in progress p, `cosine` (1 + cos(pi p)) / 2,
+    `linear` 1 - p, `sqrt` 1 - sqrt(p) (fast first, as MiniCPM's WSD runs found best)."""
+
+    cosine = "cosine"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
 class OnNonFinite(Enum):
     """What a step with a non-finite loss or gradient norm does (its update is never applied).
 
@@ -93,8 +112,12 @@ class OptimConfig:
     eps: float = 1e-8
     # Applied to matrices only; norms, biases and embeddings are never decayed.
     weight_decay: float = 0.1
-    # End of the cosine decay, as a fraction of train.lr.
+    # The learning rate after train.warmup_steps (see `Schedule`), ending at min_lr_ratio x train.lr.
+    schedule: Schedule = Schedule.cosine
     min_lr_ratio: float = 0.1
+    # wsd: the fraction of train.max_steps at the end that decays, and how.
+    decay_fraction: float = 0.2
+    decay_shape: DecayShape = DecayShape.cosine
 
 
 @dataclass
@@ -259,6 +282,8 @@ def validate(config: Config) -> None:
         raise UserError(f"data={config.data.name} needs data.path=FILE, FOLDER or GLOB")
     if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
         raise UserError(f"optim.min_lr_ratio={config.optim.min_lr_ratio} must be between 0 and 1")
+    if not 0.0 < config.optim.decay_fraction <= 1.0:
+        raise UserError(f"optim.decay_fraction={config.optim.decay_fraction} must be above 0 and at most 1")
     if not config.sample.prompt:
         raise UserError("sample.prompt must not be empty")
     if config.sample.max_new_tokens < 0:

@@ -7,12 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ciuic_train.config import OptimConfig
+from ciuic_train.config import DecayShape, OptimConfig, Schedule
+
+DECAY_SHAPES = {
+    DecayShape.cosine: lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+    DecayShape.linear: lambda p: 1.0 - p,
+    DecayShape.sqrt: lambda p: 1.0 - math.sqrt(p),
+}
 
 
 @dataclass(frozen=True)
-class WarmupCosine:
-    """Linear warmup to `peak`, then cosine decay to `peak * min_ratio` at `total_steps`.
+class LrSchedule:
+    """Linear warmup to `peak`, then `kind` (`Schedule`): a decay to `peak * min_ratio` at
+    `total_steps` shaped by `decay_shape`, starting right after warmup (cosine) or for the
+    last `decay_fraction` of the steps (wsd); or no decay (constant).
 
     A pure function of the step, so every rank computes the same value and a resumed run
     continues the same curve. Steps count from 0 (the first optimizer step).
@@ -22,14 +30,28 @@ class WarmupCosine:
     warmup_steps: int
     total_steps: int
     min_ratio: float
+    kind: Schedule = Schedule.cosine
+    decay_fraction: float = 1.0
+    decay_shape: DecayShape = DecayShape.cosine
+
+    @classmethod
+    def from_config(cls, cfg: OptimConfig, peak: float, warmup_steps: int, total_steps: int) -> "LrSchedule":
+        shape = DecayShape.cosine if cfg.schedule is Schedule.cosine else cfg.decay_shape
+        return cls(peak, warmup_steps, total_steps, cfg.min_lr_ratio, cfg.schedule, cfg.decay_fraction, shape)
+
+    @property
+    def decay_start(self) -> int:
+        if self.kind is Schedule.wsd:
+            return max(self.warmup_steps, self.total_steps - round(self.decay_fraction * self.total_steps))
+        return self.warmup_steps
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.peak * (step + 1) / self.warmup_steps
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.peak * (self.min_ratio + (1.0 - self.min_ratio) * cosine)
+        if self.kind is Schedule.constant or step < self.decay_start:
+            return self.peak
+        progress = min(1.0, (step - self.decay_start) / max(1, self.total_steps - self.decay_start))
+        return self.peak * (self.min_ratio + (1.0 - self.min_ratio) * DECAY_SHAPES[self.decay_shape](progress))
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:

@@ -51,7 +51,7 @@ from ciuic_train.mesh import check_grad_consistency
 from ciuic_train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.model import Transformer, count_parameters, generate
 from ciuic_train.model.deepseek import IGNORE_INDEX
-from ciuic_train.optim import WarmupCosine, build_optimizer
+from ciuic_train.optim import LrSchedule, build_optimizer
 from ciuic_train.parallel import Parallel, clip_grad_norm_, param_bytes, param_checksum
 from ciuic_train.parallelize import parallelize
 from ciuic_train.tricks import TrickContext, build_tricks
@@ -106,7 +106,7 @@ class Trainer:
             check_grad_consistency(self.parallel.mesh.shape, comm_hook.trick if comm_hook else None)
         self.wrapped_model = parallelize(self.model, self.parallel.mesh, config, comm_hook)
         self.optimizer = build_optimizer(self.model, config.optim, train.lr)
-        self.lr_schedule = WarmupCosine(train.lr, train.warmup_steps, train.max_steps, config.optim.min_lr_ratio)
+        self.lr_schedule = LrSchedule.from_config(config.optim, train.lr, train.warmup_steps, train.max_steps)
         self.sampler = WindowSampler(
             n_windows(self.data.train, train.seq_len), config.seed, rank, world,
             order=self.tricks.order_indices, shuffle=config.data.shuffle,

@@ -10,7 +10,8 @@ import torch
 from ciuic_train.config import Precision
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
-from ciuic_train.optim import WarmupCosine, build_optimizer
+from ciuic_train.config import DecayShape, Schedule
+from ciuic_train.optim import LrSchedule, build_optimizer
 from ciuic_train.parallel import param_checksum
 from ciuic_train.trainer import Trainer
 from ciuic_train.tricks import Trick, TrickContext, TrickSet, build_tricks, check_tricks
@@ -28,12 +29,71 @@ def tiny_trainer(tmp_path, text_corpus, *overrides):
 
 
 def test_warmup_cosine_shape():
-    schedule = WarmupCosine(peak=1.0, warmup_steps=10, total_steps=110, min_ratio=0.1)
+    schedule = LrSchedule(peak=1.0, warmup_steps=10, total_steps=110, min_ratio=0.1)
     assert schedule(0) == pytest.approx(0.1) and schedule(9) == pytest.approx(1.0)
     assert schedule(60) == pytest.approx(0.55)
     assert schedule(110) == pytest.approx(0.1) and schedule(500) == pytest.approx(0.1)
     values = [schedule(s) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+@pytest.mark.parametrize("shape, at_half", [(DecayShape.cosine, 0.55), (DecayShape.linear, 0.55),
+                                             (DecayShape.sqrt, 1 - 0.9 * 0.5 ** 0.5)])
+def test_wsd_holds_the_peak_then_decays_over_its_fraction(shape, at_half):
+    schedule = LrSchedule(peak=1.0, warmup_steps=10, total_steps=110, min_ratio=0.1, kind=Schedule.wsd,
+                          decay_fraction=0.2, decay_shape=shape)
+    assert schedule(0) == pytest.approx(0.1) and schedule(9) == pytest.approx(1.0)
+    assert schedule.decay_start == 88  # 110 - round(0.2 * 110)
+    assert all(schedule(s) == 1.0 for s in range(10, 89))  # stable
+    assert schedule(99) == pytest.approx(at_half)  # half way through the decay
+    assert schedule(110) == pytest.approx(0.1) and schedule(500) == pytest.approx(0.1)
+    values = [schedule(s) for s in range(88, 111)]
+    assert all(a > b for a, b in zip(values, values[1:]))
+
+
+def test_constant_schedule_and_the_config_reach_the_trainer(tmp_path, text_corpus):
+    constant = LrSchedule(peak=2.0, warmup_steps=4, total_steps=50, min_ratio=0.1, kind=Schedule.constant)
+    assert [constant(s) for s in (0, 3, 4, 49, 80)] == [0.5, 2.0, 2.0, 2.0, 2.0]
+    cosine = LrSchedule(peak=1.0, warmup_steps=10, total_steps=110, min_ratio=0.1)
+    # optim.decay_shape belongs to wsd: the cosine schedule stays the cosine whatever it says
+    trainer = tiny_trainer(tmp_path, text_corpus, "optim.decay_shape=sqrt", "train.lr=1.0",
+                           "train.warmup_steps=10", "train.max_steps=110")
+    assert [trainer.lr_schedule(s) for s in range(120)] == [cosine(s) for s in range(120)]
+    wsd = tiny_trainer(tmp_path, text_corpus, "optim.schedule=wsd", "optim.decay_fraction=0.5", "train.max_steps=20",
+                       "train.warmup_steps=2")
+    assert wsd.lr_schedule.kind is Schedule.wsd and wsd.lr_schedule.decay_start == 10
+
+
+def test_the_deepseek_v3_preset_is_the_published_curve():
+    """Report section 4.2: 2K warmup steps to 2.2e-4, constant until 10T of 14.8T tokens,
+    then a cosine decay to 2.2e-5 (here one step per billion tokens)."""
+    config = compose_config("optim=deepseek_v3", "train.max_steps=14800")
+    schedule = LrSchedule.from_config(config.optim, config.train.lr, config.train.warmup_steps, 14800)
+    assert (config.optim.beta1, config.optim.beta2, config.optim.weight_decay, config.train.grad_clip) == (
+        0.9, 0.95, 0.1, 1.0)
+    assert schedule(1999) == pytest.approx(2.2e-4) and schedule(9999) == pytest.approx(2.2e-4)
+    assert 9990 <= schedule.decay_start <= 10010
+    assert schedule(14799) == pytest.approx(2.2e-5, rel=1e-3)
+    assert compose_config("optim=deepseek_v3", "train.lr=1e-3").train.lr == 1e-3  # overridable
+
+
+def test_a_run_resumed_mid_decay_continues_the_same_lr_curve(tmp_path, text_corpus, one_thread):
+    overrides = ["optim.schedule=wsd", "optim.decay_fraction=0.5", "optim.decay_shape=linear", "train.max_steps=10",
+                 "train.warmup_steps=2", "train.log_every=1", "ckpt.every=0", "sample.max_new_tokens=0"]
+    (tmp_path / "straight").mkdir()
+    straight = tiny_trainer(tmp_path / "straight", text_corpus, *overrides).fit()
+    (tmp_path / "resumed").mkdir()
+    first = tiny_trainer(tmp_path / "resumed", text_corpus, *overrides)
+    for _ in range(7):  # into the decay, which starts at step 5
+        first.train_step()
+    first.save_checkpoint()
+    resumed = tiny_trainer(tmp_path / "resumed", text_corpus, *overrides).fit()
+
+    def lrs(folder):
+        return [json.loads(line)["lr"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    assert lrs(tmp_path / "resumed")[-3:] == lrs(tmp_path / "straight")[-3:]
+    assert resumed["param_checksum"] == straight["param_checksum"]
 
 
 def test_weight_decay_skips_norms_and_embeddings():

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from ciuic_train.data import WindowSampler
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
-from ciuic_train.optim import WarmupCosine
+from ciuic_train.optim import LrSchedule
 from ciuic_train.parallel import param_checksum
 from ciuic_train.trainer import Trainer
 from ciuic_train.tricks import CommHook, check_tricks, registry
@@ -127,7 +127,7 @@ def test_conflicting_tricks_are_refused_at_compose_time(monkeypatch):
 
 
 def test_warm_restart_lr_is_the_formula_at_every_step():
-    schedule = WarmupCosine(peak=1.0, warmup_steps=10, total_steps=100, min_ratio=0.1)
+    schedule = LrSchedule(peak=1.0, warmup_steps=10, total_steps=100, min_ratio=0.1)
     trick = WarmRestart(ctx(max_steps=100), WarmRestart.Params(at=[0.2, 50], factor=0.7))
     for step in range(100):
         if step < 20:
@@ -358,7 +358,7 @@ def test_tricks_that_change_training_combine_under_ddp(tmp_path, text_corpus):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    schedule = WarmupCosine(2e-3, 2, 10, 0.1)
+    schedule = LrSchedule(2e-3, 2, 10, 0.1)
     trick = WarmRestart(ctx(max_steps=10))
     assert [r["lr"] for r in records] == pytest.approx([trick.lr_at(s, schedule) for s in range(10)])
     assert records[-1]["warm_restart/restarts_hit"] == 3

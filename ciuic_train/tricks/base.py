@@ -122,7 +122,7 @@ class Trick:
 
     @seam
     def lr_at(self, step: int, schedule: Callable[[int], float]) -> float:
-        """Learning rate at an optimizer step; `schedule` is the configured warmup-cosine."""
+        """Learning rate at an optimizer step; `schedule` is the configured `LrSchedule`."""
         return schedule(step)
 
     @seam
