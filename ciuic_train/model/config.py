@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+ROPE_SCALINGS = ("none", "yarn")
 KERNEL_CHOICES = ("auto", "reference")
 # Fields that choose how the model is computed, not what it computes: presets leave them
 # at their defaults, and a checkpoint resumes under any value of them.
@@ -48,6 +49,20 @@ class ModelConfig:
     bias_update_rate: float = 1e-3
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    # RoPE context extension. none: plain RoPE. yarn: YaRN (arXiv 2309.00071) as the Hugging
+    # Face code of DeepSeek-V2/V3 applies it, whatever max_seq_len: rotated pairs that turn fewer than
+    # rope_beta_slow times over the pre-training length rope_original_max_seq_len are slowed
+    # by rope_factor, those turning more than rope_beta_fast times keep their speed, a linear
+    # ramp between; the softmax scale is multiplied by m(rope_mscale_all_dim)^2 and cos/sin by
+    # m(rope_mscale) / m(rope_mscale_all_dim), where m(w) = 0.1 * w * ln(rope_factor) + 1.
+    # The defaults are DeepSeek-V3's (its config.json); they are read only under yarn.
+    rope_scaling: str = "none"
+    rope_factor: float = 40.0
+    rope_original_max_seq_len: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 1.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
     tie_embeddings: bool = False
@@ -60,12 +75,15 @@ class ModelConfig:
             "vocab_size dim n_layers n_heads kv_lora_rank qk_nope_head_dim qk_rope_head_dim"
             " v_head_dim dense_ffn_dim moe_ffn_dim n_routed_experts n_activated_experts"
             " max_seq_len route_scale rope_theta norm_eps init_std"
-            " n_expert_groups n_limited_groups"
+            " n_expert_groups n_limited_groups rope_original_max_seq_len rope_beta_slow"
         ).split()
         for field in positive:
             if getattr(self, field) <= 0:
                 raise ValueError(f"model.{field}={getattr(self, field)} must be positive")
-        for field in ("n_dense_layers", "q_lora_rank", "n_shared_experts", "bias_update_rate"):
+        zero_or_more = (
+            "n_dense_layers q_lora_rank n_shared_experts bias_update_rate rope_mscale rope_mscale_all_dim"
+        ).split()
+        for field in zero_or_more:
             if getattr(self, field) < 0:
                 raise ValueError(f"model.{field}={getattr(self, field)} must be 0 or more")
         if self.qk_rope_head_dim % 2:
@@ -105,4 +123,17 @@ class ModelConfig:
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(
                 f"model.score_func={self.score_func!r} is not one of: {', '.join(SCORE_FUNCS)}"
+            )
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(
+                f"model.rope_scaling={self.rope_scaling!r} is not one of: {', '.join(ROPE_SCALINGS)}"
+            )
+        if self.rope_factor < 1:
+            raise ValueError(
+                f"model.rope_factor={self.rope_factor} must be at least 1 (YaRN only stretches the context)"
+            )
+        if self.rope_beta_fast <= self.rope_beta_slow:
+            raise ValueError(
+                f"model.rope_beta_fast={self.rope_beta_fast} must be greater than "
+                f"rope_beta_slow={self.rope_beta_slow}"
             )

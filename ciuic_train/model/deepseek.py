@@ -22,6 +22,7 @@ parameters and buffers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,11 +77,73 @@ class RMSNorm(nn.Module):
 # --- RoPE ---------------------------------------------------------------------------------
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
-    """cos/sin of shape [max_seq_len, head_dim // 2], one angle per rotated pair."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None, cfg: ModelConfig | None = None):
+    """cos/sin of shape [max_seq_len, head_dim // 2], one angle per rotated pair.
+
+    Plain RoPE, unless `cfg` is given with rope_scaling yarn: then YaRN's frequencies
+    (`yarn_frequencies`), and both tables scaled by its magnitude (`yarn_rope_magnitude`).
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)  # [d/2]
+    yarn = cfg is not None and cfg.rope_scaling == "yarn"
+    if yarn:
+        inv_freq = yarn_frequencies(inv_freq, head_dim, theta, cfg)
     angles = torch.outer(torch.arange(max_seq_len, device=device).float(), inv_freq)
-    return angles.cos(), angles.sin()
+    if not yarn:
+        return angles.cos(), angles.sin()
+    magnitude = yarn_rope_magnitude(cfg)
+    return angles.cos() * magnitude, angles.sin() * magnitude
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN's rotation speeds: slow pairs interpolated, fast pairs kept, a ramp between.
+
+    Pair i turns original_max_seq_len * inv_freq[i] / 2pi times over the pre-training
+    length. A pair that turns many times (more than beta_fast) has seen every angle in
+    pre-training and keeps its speed; one that turns few times (fewer than beta_slow) would
+    meet unseen angles at longer positions, so it is slowed by `factor` (interpolated).
+    Between them the two speeds mix linearly in the pair index. Solving for the index at
+    which a pair turns r times gives head_dim * ln(L / (2pi r)) / (2 ln theta); the ramp's
+    ends are those indices rounded outwards and clamped to [0, head_dim - 1] (head_dim, not
+    head_dim / 2: the bound of DeepSeek's and transformers' code, kept for the same tables).
+    """
+
+    def index_turning(rotations: float) -> float:
+        # The index i whose speed theta^(-2i/d) is rotations * 2pi / L radians per position.
+        log_inverse_speed = math.log(cfg.rope_original_max_seq_len / (rotations * 2 * math.pi))
+        return head_dim * log_inverse_speed / (2 * math.log(theta))
+
+    low = max(math.floor(index_turning(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(index_turning(cfg.rope_beta_slow)), head_dim - 1)
+    if high == low:
+        high += 0.001  # a step instead of a ramp, without dividing by zero
+    pair = torch.arange(head_dim // 2, device=inv_freq.device, dtype=torch.float32)
+    interpolate = ((pair - low) / (high - low)).clamp(0, 1)  # [d/2]: 0 keeps a pair's speed, 1 slows it
+    return inv_freq / cfg.rope_factor * interpolate + inv_freq * (1 - interpolate)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature sqrt(1/t) = 0.1 ln(factor) + 1, with DeepSeek's weight on the log."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_rope_magnitude(cfg: ModelConfig) -> float:
+    """What YaRN multiplies the rotated channels (cos and sin) by.
+
+    The paper scales q and k, here only their rope parts, by yarn_mscale(factor). DeepSeek
+    moved that scaling to the softmax scale, where it reaches every channel
+    (`yarn_softmax_correction`), and left here only the ratio of the two weights: 1 in
+    their configs, where rope_mscale equals rope_mscale_all_dim. (Where one weight is 0,
+    transformers takes yarn_mscale(factor) instead of the ratio; DeepSeek's code takes the ratio.)
+    """
+    factor = cfg.rope_factor
+    return yarn_mscale(factor, cfg.rope_mscale) / yarn_mscale(factor, cfg.rope_mscale_all_dim)
+
+
+def yarn_softmax_correction(cfg: ModelConfig) -> float:
+    """The factor on the attention softmax scale: yarn_mscale(factor, mscale_all_dim)^2 under yarn, else 1."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    return yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,6 +183,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.v_head_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.attention = kernels.attention
+        self.softmax_scale = self.qk_head_dim**-0.5 * yarn_softmax_correction(cfg)
         q_width = cfg.n_heads * self.qk_head_dim
         self.compress_q = cfg.q_lora_rank > 0
         if self.compress_q:
@@ -150,7 +214,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)  # [B, H, T, d_qk]
 
-        y = self.attention(q, k, v, self.qk_head_dim**-0.5)  # [B, H, T, d_v]
+        y = self.attention(q, k, v, self.softmax_scale)  # [B, H, T, d_v]
         return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.v_head_dim))
 
 
@@ -381,6 +445,7 @@ class Transformer(nn.Module):
             self.config.max_seq_len,
             self.config.rope_theta,
             device=self.rope_cos.device,
+            cfg=self.config,
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
