@@ -197,7 +197,7 @@ class Trainer:
                 loss = poison_loss(self.config.fault, self.parallel.info.rank, self.step + 1, loss)
                 (loss * weight).backward()
             loss_sum += loss.item() * weight
-        figures = {}
+        figures = self.model.balance_loss_figures()  # this rank's last micro-batch; {} when off
         if measure_consistency:
             figures["grad_consistency"] = self.parallel.average_gradients_with_consistency(list(self.model.parameters()))
 
@@ -309,6 +309,7 @@ class Trainer:
             "lr": figures["lr"],
             "grad_norm": figures["grad_norm"],
             "moe_imbalance": figures["moe_imbalance"],
+            **{key: figures[key] for key in ("aux_loss", "seq_aux_loss") if key in figures},
             **({"grad_consistency": figures["grad_consistency"]} if "grad_consistency" in figures else {}),
             "tokens_per_s": throughput.window_rate(),
             "elapsed_s": throughput.elapsed_s(),

@@ -769,3 +769,70 @@ def test_rope_scaling_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^model\.{field}=") as error:
         load_preset("tiny", **{"rope_scaling": "yarn", field: value})
     assert str(value) in str(error.value) and "\n" not in str(error.value)
+
+
+# --- balance losses ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_balance_losses_rise_on_a_planted_imbalance_and_their_gradient_evens_it(score_func):
+    """E=8, k=2: every token sent to experts 0 and 1 costs E/k = 4; the gradient step on
+    the gate lowers those experts' affinity share, and with it the loss."""
+    moe = make_moe(score_func=score_func, n_activated_experts=2, aux_loss_alpha=1.0, seq_aux_loss_alpha=1.0)
+    x = torch.randn(3, 20, moe.gate.in_features)
+    spread = moe.balance_losses(moe.affinities(x), moe.choose(moe.affinities(x))[1])
+    common = F.normalize(torch.randn(moe.gate.in_features), dim=0)
+    x = 0.1 * x + 3 * common  # tokens that share one direction
+    with torch.no_grad():
+        moe.gate.weight[:2] += common  # experts 0 and 1 now win for every token,
+        moe.gate.weight[2:] -= common  # and hold most of its affinity
+    scores = moe.affinities(x)
+    indices = moe.choose(scores)[1]
+    assert set(indices.unique().tolist()) == {0, 1}
+    planted = moe.balance_losses(scores, indices)
+    for name in ("aux_loss", "seq_aux_loss"):
+        assert spread[name] < 1.6 and planted[name] > 3.0, (name, spread[name], planted[name])
+
+    share_before = (scores / scores.sum(-1, keepdim=True))[..., :2].sum(-1).mean()
+    sum(planted.values()).backward()
+    with torch.no_grad():
+        moe.gate.weight -= 0.5 * moe.gate.weight.grad
+    scores = moe.affinities(x)
+    share_after = (scores / scores.sum(-1, keepdim=True))[..., :2].sum(-1).mean()
+    assert share_after < share_before
+    assert sum(moe.balance_losses(scores, moe.choose(scores)[1]).values()) < sum(planted.values())
+
+
+def test_sequence_wise_loss_sees_imbalance_within_sequences_that_a_batch_hides():
+    """Sequence 0 all to experts {0, 1} (its affinity too), sequence 1 all to {2, 3}: the
+    batch is balanced over E=4, k=2 (expert-level loss 1), each sequence is not (sequence-wise loss 2)."""
+    moe = make_moe(n_routed_experts=4, n_activated_experts=2, aux_loss_alpha=1.0, seq_aux_loss_alpha=1.0)
+    scores = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5]]).view(2, 1, 4).expand(2, 5, 4)
+    indices = torch.tensor([[0, 1], [2, 3]]).view(2, 1, 2).expand(2, 5, 2)
+    losses = moe.balance_losses(scores, indices)
+    assert losses["aux_loss"].item() == pytest.approx(1.0) and losses["seq_aux_loss"].item() == pytest.approx(2.0)
+
+
+def test_balance_losses_change_the_gradient_not_the_returned_loss():
+    torch.manual_seed(0)
+    idx = torch.randint(0, 256, (2, 16))
+    plain = tiny_model(seed=0)
+    weighted = tiny_model(seed=0, aux_loss_alpha=0.5, seq_aux_loss_alpha=0.25)
+    loss, weighted_loss = plain(idx, idx), weighted(idx, idx)
+    assert torch.equal(loss, weighted_loss)  # the LM loss, bit for bit
+    assert all(moe.balance_loss == {} for moe in plain.moe_layers().values())  # off: nothing computed
+    balance = sum(term for moe in weighted.moe_layers().values() for term in moe.balance_loss.values())
+    figures = weighted.balance_loss_figures()
+    assert set(figures) == {"aux_loss", "seq_aux_loss"}
+    assert sum(figures.values()) == pytest.approx(balance.item())
+    loss.backward()
+    weighted_loss.backward(retain_graph=True)
+    gate = next(iter(weighted.moe_layers().values())).gate.weight
+    extra = torch.autograd.grad(balance, gate)[0]
+    plain_gate = next(iter(plain.moe_layers().values())).gate.weight
+    assert torch.allclose(gate.grad, plain_gate.grad + extra, atol=1e-7)
+    assert extra.abs().max() > 0
+    assert torch.equal(weighted.lm_head.weight.grad, plain.lm_head.weight.grad)
+    weighted.eval()
+    weighted(idx, idx)
+    assert weighted.balance_loss_figures() == figures  # evaluation forwards leave them alone

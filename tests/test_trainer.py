@@ -255,3 +255,18 @@ def test_compiled_blocks_match_eager(tmp_path, text_corpus):
     compiled = _first_step_grads(trainer)
     assert compiled[0] == pytest.approx(eager[0], rel=1e-4)
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-3, atol=1e-5)
+
+
+def test_balance_losses_are_logged_and_survive_activation_checkpointing(tmp_path, text_corpus):
+    balanced = ["train.grad_clip=0", "model.aux_loss_alpha=0.01", "model.seq_aux_loss_alpha=0.01"]
+    plain = _first_step_grads(tiny_trainer(tmp_path / "a", text_corpus, *balanced))
+    unweighted = _first_step_grads(tiny_trainer(tmp_path / "b", text_corpus, "train.grad_clip=0"))
+    assert plain[0] == unweighted[0]  # the logged loss is the LM loss
+    assert not torch.allclose(plain[1], unweighted[1])  # the gradient is not
+    recomputed = _first_step_grads(tiny_trainer(tmp_path / "c", text_corpus, *balanced,
+                                                 "activation_checkpointing=true"))
+    torch.testing.assert_close(recomputed[1], plain[1], rtol=1e-5, atol=1e-7)
+
+    figures = tiny_trainer(tmp_path / "d", text_corpus, *balanced).train_step()
+    assert figures["aux_loss"] > 0 and figures["seq_aux_loss"] > 0
+    assert "aux_loss" not in tiny_trainer(tmp_path / "e", text_corpus).train_step()

@@ -47,6 +47,14 @@ class ModelConfig:
     route_scale: float = 1.0
     # Step of the auxiliary-loss-free balancing bias (gamma in DeepSeek-V3).
     bias_update_rate: float = 1e-3
+    # Balance losses (0 = off, and nothing is computed): sum over experts of f_i * P_i, the
+    # load share of expert i (its chosen count x E / (k x tokens)) times its mean normalized
+    # affinity, per MoE layer. aux_loss_alpha weighs it over all tokens of a micro-batch
+    # (DeepSeek-V2's expert-level loss), seq_aux_loss_alpha per sequence, averaged
+    # (DeepSeek-V3's complementary sequence-wise loss). They reach the weights through their
+    # gradient only: the loss the model returns and the trainer logs stays the LM loss.
+    aux_loss_alpha: float = 0.0
+    seq_aux_loss_alpha: float = 0.0
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     # RoPE context extension. none: plain RoPE. yarn: YaRN (arXiv 2309.00071) as the Hugging
@@ -82,6 +90,7 @@ class ModelConfig:
                 raise ValueError(f"model.{field}={getattr(self, field)} must be positive")
         zero_or_more = (
             "n_dense_layers q_lora_rank n_shared_experts bias_update_rate rope_mscale rope_mscale_all_dim"
+            " aux_loss_alpha seq_aux_loss_alpha"
         ).split()
         for field in zero_or_more:
             if getattr(self, field) < 0:

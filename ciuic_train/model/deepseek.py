@@ -288,7 +288,8 @@ class MoE(nn.Module):
     tokens each expert received in `tokens_per_expert`; `Transformer.balance_experts`
     turns those counts into a bias step. (Activation checkpointing re-runs the forward
     and counts every token twice; neither the sign-based step nor the imbalance ratio
-    minds.)
+    minds.) DeepSeek-V2's auxiliary balance losses are there too, off by default
+    (`balance_losses`).
     """
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
@@ -301,6 +302,10 @@ class MoE(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.route_scale = cfg.route_scale
         self.bias_update_rate = cfg.bias_update_rate
+        self.aux_loss_alpha = cfg.aux_loss_alpha
+        self.seq_aux_loss_alpha = cfg.seq_aux_loss_alpha
+        # The weighted balance losses of the last training forward ({} when both are off).
+        self.balance_loss: dict[str, torch.Tensor] = {}
         self.routed_experts = kernels.routed_experts
         self.gate = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
         # Stacked over experts for one grouped matmul; w13 holds each expert's gate (w1)
@@ -319,10 +324,17 @@ class MoE(nn.Module):
             "tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False
         )
 
+    def affinities(self, x: torch.Tensor) -> torch.Tensor:
+        """Token-to-expert scores [N, E] (fp32) of tokens x [N, dim]."""
+        logits = self.gate(x).float()
+        return logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For tokens x[N, dim], return (gate weights [N, k] fp32, expert indices [N, k])."""
-        logits = self.gate(x).float()
-        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        return self.choose(self.affinities(x))
+
+    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k experts of each token (biased scores choose) and their gate weights."""
         choice = scores + self.expert_bias
         if self.n_expert_groups > 1:
             # Group-limited routing, as DeepSeek-V3 (and transformers' DeepseekV3TopkRouter):
@@ -340,10 +352,33 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.route_scale, indices
 
+    def balance_losses(self, scores: torch.Tensor, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The weighted balance losses of one forward: scores [B, T, E], indices [B, T, k].
+
+        Each is sum_i f_i * P_i: f_i, expert i's share of the chosen slots times E (1 for
+        every expert at perfect balance, no gradient), P_i its mean affinity, normalized per
+        token (the gradient: it lowers the affinity of overloaded experts). 1 at perfect
+        balance, E / k when k experts take every token.
+        """
+        n_experts, k = scores.shape[-1], indices.shape[-1]
+        chosen = torch.zeros_like(scores).scatter_(-1, indices, 1.0)  # [B, T, E]
+        share = scores / scores.sum(dim=-1, keepdim=True)
+        losses = {}
+        if self.aux_loss_alpha:  # over every token of the micro-batch
+            f = chosen.mean(dim=(0, 1)) * n_experts / k  # [E]
+            losses["aux_loss"] = self.aux_loss_alpha * (f * share.mean(dim=(0, 1))).sum()
+        if self.seq_aux_loss_alpha:  # within each sequence, then averaged
+            f = chosen.mean(dim=1) * n_experts / k  # [B, E]
+            losses["seq_aux_loss"] = self.seq_aux_loss_alpha * (f * share.mean(dim=1)).sum(dim=-1).mean()
+        return losses
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, dim]
-        weights, indices = self.route(x)  # [N, k] each
+        scores = self.affinities(x)  # [N, E]
+        weights, indices = self.choose(scores)  # [N, k] each
+        if self.training and (self.aux_loss_alpha or self.seq_aux_loss_alpha):
+            self.balance_loss = self.balance_losses(scores.view(*shape[:-1], -1), indices.view(*shape[:-1], -1))
 
         # Sort the N * k (token, expert) assignments by expert, so each expert's tokens form
         # one contiguous slice for the grouped matmul.
@@ -463,7 +498,21 @@ class Transformer(nn.Module):
             return self.lm_head(h)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
-        return self.kernels.loss(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction)
+        loss = self.kernels.loss(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction)
+        balance = [term for moe in self.moe_layers().values() for term in moe.balance_loss.values()]
+        if self.training and balance:
+            # Their gradient joins the LM loss's; the value returned stays the LM loss.
+            total = torch.stack(balance).sum()
+            loss = loss + (total - total.detach())
+        return loss
+
+    def balance_loss_figures(self) -> dict[str, float]:
+        """The weighted balance losses of the last training forward, summed over MoE layers."""
+        figures: dict[str, float] = {}
+        for moe in self.moe_layers().values():
+            for name, value in moe.balance_loss.items():
+                figures[name] = figures.get(name, 0.0) + value.item()
+        return figures
 
     def trunk(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> the last block's hidden states [B, T, dim] (before the final norm)."""
