@@ -16,8 +16,8 @@ One optimizer step (`Trainer.train_step`):
     if finite: optimizer step; MoE: one balancing step from the tokens each expert received
     else: no update; stop the run, or skip the step (train.on_nonfinite)
 
-The run (`Trainer.fit`): steps until `train.max_steps`; after each, evaluate, save
-(<- tricks.should_save) and log when `Cadence` says so; a stop signal (`StopRequest`)
+The run (`Trainer.fit`): steps until `train.max_steps`; after each, evaluate, log and
+save (<- tricks.should_save) when `Cadence` says so; a stop signal (`StopRequest`)
 saves and ends the run after the current step. A non-finite step never reaches the
 weights, so no checkpoint ever holds them. `tricks.init_weights` runs once, on the
 freshly built model. The seams are defined in ciuic_train/tricks/base.py.
@@ -276,15 +276,20 @@ class Trainer:
                     with throughput.paused():
                         last_val = self.evaluate()
                 stopped_by = figures["stop_signal"]
-                if self.cadence.saves(self.step, stopping=stopped_by is not None, applied=figures["applied"]):
-                    with throughput.paused():
-                        self.save_checkpoint()
+                saves = self.cadence.saves(self.step, stopping=stopped_by is not None, applied=figures["applied"])
+                # Logged before the save: a crash after a save but before its line would lose
+                # the line for good (the resume starts after it); one before the save drops
+                # the line with the step, and the resumed run logs it again.
                 if self.cadence.logs(self.step, evaluated, stopping=stopped_by is not None):
-                    record = self._record(figures, losses_since_log, throughput, last_val if evaluated else None)
+                    record = self._record(figures, losses_since_log, throughput, last_val if evaluated else None,
+                                          saves)
                     metrics.write(record)
                     progress.report(record)
                     last_logged_loss = record["loss"]
                     losses_since_log.clear()
+                if saves:
+                    with throughput.paused():
+                        self.save_checkpoint()
                 if stopped_by:
                     break
                 inject_fault(self.config.fault, self.parallel.info.rank, self.step)
@@ -300,7 +305,7 @@ class Trainer:
         return self._finish(run)
 
     def _record(self, figures: dict[str, float], losses_since_log: list[float], throughput: Throughput,
-                val_loss: float | None) -> dict[str, Any]:
+                val_loss: float | None, saving: bool) -> dict[str, Any]:
         """One line of metrics.jsonl: this step's figures, the window's mean loss and speed."""
         return {
             "step": self.step,
@@ -314,7 +319,7 @@ class Trainer:
             "tokens_per_s": throughput.window_rate(),
             "elapsed_s": throughput.elapsed_s(),
             **({"val_loss": val_loss} if val_loss is not None else {}),
-            "checkpoints": self.checkpointer.saves,
+            "checkpoints": self.checkpointer.saves + saving,  # this step's included
             **self.watch.metrics(),
             **self.tricks.metrics(),
         }

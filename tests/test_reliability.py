@@ -213,19 +213,6 @@ def test_a_second_job_in_a_busy_folder_exits_2_and_writes_nothing(tmp_path, text
     assert after == before  # .hydra/ included: Hydra never started
 
 
-def test_workers_of_one_job_share_its_lock_and_a_restart_takes_it_again(tmp_path, text_corpus):
-    """The launcher holds the folder for its workers (who must not be refused), and a job
-    whose worker was killed leaves no stale lock: the next attempt resumes."""
-    run_dir = tmp_path / "run"
-    args = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=6", "ckpt.every=2", "dist.nproc_per_node=2",
-            f"hydra.run.dir={run_dir}"]
-    killed = run_cli(*args, "fault.kill_rank=1", "fault.at_step=3", cwd=tmp_path)
-    assert killed.returncode != 0
-    resumed = run_cli(*args, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "step_000002" in json.loads((run_dir / "summary.json").read_text())["resumed_from"]
-
-
 # --- saves that cannot be written ----------------------------------------------------------
 
 
