@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ciuic_train.errors import RunFailed, UserError
+from ciuic_train.errors import RunFailed, UserError, first_line
 from ciuic_train.files import format_bytes, free_bytes, tree_bytes, written_atomically
 from ciuic_train.model.config import IMPLEMENTATION_FIELDS, ModelConfig
 
@@ -158,7 +158,7 @@ class Checkpointer:
             phase()
             error = None
         except (Exception, CheckpointException) as err:  # DCP's own derives from BaseException
-            error = _first_line(err)
+            error = _cause(err)
         errors = [error]
         if dist.is_initialized():
             errors = [None] * dist.get_world_size()
@@ -217,15 +217,14 @@ class Checkpointer:
 
 
 def _damaged(path: Path, err: BaseException) -> UserError:
-    return UserError(f"checkpoint {path} is corrupt or incomplete ({_first_line(err)})")
+    return UserError(f"checkpoint {path} is corrupt or incomplete ({_cause(err)})")
 
 
-def _first_line(err: BaseException) -> str:
+def _cause(err: BaseException) -> str:
     """The cause in one line; for DCP's exception, that of the first rank it lists."""
     if isinstance(err, CheckpointException) and err.failures:
         err = next(iter(err.failures.values()))[0]
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:200]
+    return first_line(err)[:200]
 
 
 def read_meta(path: Path) -> dict[str, Any]:

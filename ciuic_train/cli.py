@@ -41,7 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ciuic_train import launch, runlock
 from ciuic_train.config import Config, register_configs, to_config
-from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError
+from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError, first_line
 from ciuic_train.mesh import check_grad_consistency, refuse_comm_hook, resolve_mesh
 from ciuic_train.slurm import end_stopped_task, in_slurm_task
 from ciuic_train.tricks import trick_classes
@@ -427,7 +427,7 @@ def _as_user_errors() -> Iterator[None]:
         cause = err.__cause__
         if isinstance(cause, OmegaConfBaseException):
             raise UserError(_describe_omegaconf(cause)) from None
-        raise UserError(_first_line(err)) from None
+        raise UserError(first_line(err)) from None
 
 
 def _parse_overrides(overrides: list[str]) -> list[Override]:
@@ -529,7 +529,7 @@ def _unknown_option(err: MissingConfigException) -> str:
     options = list(err.options or [])
     group, _, option = missing.rpartition("/")
     if not group:
-        return _first_line(err)
+        return first_line(err)
     if not options:
         options = GlobalHydra.instance().config_loader().get_group_options(group)
     hint = get_close_matches(option, options, n=1)
@@ -543,7 +543,7 @@ def _unknown_option(err: MissingConfigException) -> str:
 
 def _describe_omegaconf(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or getattr(err, "key", None) or ""
-    msg = _first_line(getattr(err, "msg", None) or str(err))
+    msg = first_line(getattr(err, "msg", None) or str(err))
     name = type(err).__name__
     if name in ("ConfigKeyError", "ConfigAttributeError") and key:
         parent, _, leaf = str(key).rpartition(".")
@@ -576,5 +576,3 @@ def _schema_keys(path: str) -> list[str] | None:
     return [f.name for f in dataclasses.fields(node)]
 
 
-def _first_line(err: Any) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

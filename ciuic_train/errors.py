@@ -4,6 +4,12 @@
 RUN_FAILED_STATUS = 3
 
 
+def first_line(err: object) -> str:
+    """An error's message in one line (its type's name when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 class UserError(Exception):
     """A bad value, path or combination in what the user asked for."""
 

@@ -118,10 +118,7 @@ class Parallel:
 
     def mean(self, value: float) -> float:
         """The mean of a per-rank number over all ranks."""
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        return self.all_reduce_sum_(t).item() / self.world_size
+        return self.sum([value])[0] / self.world_size
 
     def sum(self, values: list[float]) -> list[float]:
         """Each of a few per-rank numbers summed over all ranks, in one collective."""

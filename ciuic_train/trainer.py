@@ -44,7 +44,7 @@ from ciuic_train.checkpoint import (
 )
 from ciuic_train.config import Config, Device, OnNonFinite, Precision
 from ciuic_train.data import WindowSampler, eval_indices, get_batch, load_tokens, n_windows, unigram_entropy
-from ciuic_train.errors import RunFailed, UserError
+from ciuic_train.errors import RunFailed, UserError, first_line
 from ciuic_train.files import write_json_atomic
 from ciuic_train.loop import Cadence, LossWatch, StepCheck, StopRequest, Throughput, inject_fault, poison_loss
 from ciuic_train.mesh import check_grad_consistency
@@ -382,6 +382,6 @@ class Trainer:
             with self.autocast:
                 out = generate(self.model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
         except RuntimeError as err:  # e.g. weights whose logits overflow: no distribution to sample from
-            log.warning(f"no sample: {str(err).strip().splitlines()[0]}")
+            log.warning(f"no sample: {first_line(err)}")
             return None
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")

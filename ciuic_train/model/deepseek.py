@@ -508,11 +508,14 @@ class Transformer(nn.Module):
 
     def balance_loss_figures(self) -> dict[str, float]:
         """The weighted balance losses of the last training forward, summed over MoE layers."""
-        figures: dict[str, float] = {}
+        terms: dict[str, list[torch.Tensor]] = {}
         for moe in self.moe_layers().values():
             for name, value in moe.balance_loss.items():
-                figures[name] = figures.get(name, 0.0) + value.item()
-        return figures
+                terms.setdefault(name, []).append(value.detach())
+        if not terms:
+            return {}
+        totals = torch.stack([torch.stack(values).sum() for values in terms.values()]).tolist()  # one sync
+        return dict(zip(terms, totals))
 
     def trunk(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> the last block's hidden states [B, T, dim] (before the final norm)."""
