@@ -285,14 +285,13 @@ def _check_reshardable(meta: dict[str, Any], world_size: int) -> None:
         )
 
 
-def export_model(path: Path, out: Path) -> Path:
-    """One consolidated file of model weights plus the model config, loadable without distributed."""
+def load_model(path: Path):
+    """The checkpoint's model, whole on the CPU in one process (whatever mesh wrote it), and its meta."""
     from ciuic_train.model import Transformer
 
     meta = read_meta(path)
-    model_config = ModelConfig(**meta["model"])
     with torch.device("meta"):
-        model = Transformer(model_config)
+        model = Transformer(ModelConfig(**meta["model"]))
     model.to_empty(device="cpu")
     model.init_weights()
     state = {"model": model.state_dict()}
@@ -301,7 +300,13 @@ def export_model(path: Path, out: Path) -> Path:
             dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as err:
         raise _damaged(path, err) from None
+    return model, meta
+
+
+def export_model(path: Path, out: Path) -> Path:
+    """One consolidated file of model weights plus the model config, loadable without distributed."""
+    model, meta = load_model(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with written_atomically(out) as tmp:
-        torch.save({"model_config": asdict(model_config), "state_dict": state["model"], "step": meta["step"]}, tmp)
+        torch.save({"model_config": asdict(model.config), "state_dict": model.state_dict(), "step": meta["step"]}, tmp)
     return out

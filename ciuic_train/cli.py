@@ -20,6 +20,7 @@ import importlib.resources
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import string
@@ -33,7 +34,7 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
+from hydra.core.override_parser.types import IntervalSweep, Override, RangeSweep
 from hydra.errors import CompactHydraException, HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -60,7 +61,8 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
 def _hydra_job(cfg: DictConfig) -> float:
     """One training job inside Hydra's run (or sweep) folder; returns the final val loss for sweepers."""
-    config = to_config(cfg)
+    overrides = list(HydraConfig.get().overrides.task)
+    config = _job_config(cfg, overrides)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         if _is_rank_0():  # a sweep's job, or a task of our Hydra launchers; a run's is held since `main`
@@ -251,7 +253,7 @@ def print_help(args: argparse.Namespace) -> None:
         overrides = _job_overrides(_parse_overrides(args.overrides), args.multirun)[0]
         cfg = hydra.compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=True)
         template = cfg.hydra.help.template
-        to_config(_without_hydra(cfg))  # the run's own checks: a help on a mistake would mislead
+        _job_config(_without_hydra(cfg), overrides)  # the run's own checks: a help on a mistake would mislead
     config = OmegaConf.to_yaml(cfg, resolve=args.resolve)
     groups = "\n".join(_config_groups(importlib.resources.files(CONFIG_MODULE)))
     print(string.Template(template).safe_substitute(APP_CONFIG_GROUPS=groups, CONFIG=config))
@@ -437,12 +439,15 @@ def _parse_overrides(overrides: list[str]) -> list[Override]:
 
 def _job_overrides(parsed: list[Override], multirun: bool) -> list[list[str]]:
     """The overrides of each job: the command's own, or with -m one job per point of the
-    sweeps' product, as Hydra's basic sweeper expands them (a key given twice: the later)."""
+    sweeps' product, as Hydra's basic sweeper expands them (a key given twice: the later).
+    Another sweeper (hydra/sweeper=NAME) expands its sweeps itself: `_sweep_samples`."""
     if not multirun:
         sweep = next((o.input_line for o in parsed if o.is_sweep_override()), None)
         if sweep is not None:
             raise UserError(f"{sweep!r} is a sweep; add -m (--multirun) to run one job per value")
         return [[o.input_line for o in parsed]]
+    if _sweeper(parsed) != "basic":
+        return _sweep_samples(parsed)
     values: dict[str, list[str]] = {}
     for override in parsed:
         key = override.get_key_element()
@@ -451,8 +456,54 @@ def _job_overrides(parsed: list[Override], multirun: bool) -> list[list[str]]:
         elif override.is_discrete_sweep():
             values[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
         else:
-            raise UserError(f"{override.input_line!r}: an interval has no points to run; sweep a list, range() or glob()")
+            raise UserError(
+                f"{override.input_line!r}: an interval has no points to run; sweep a list, range() or glob(), "
+                "or choose a sweeper that samples intervals (e.g. hydra/sweeper=optuna)"
+            )
     return [list(job) for job in itertools.product(*values.values())]
+
+
+def _sweeper(parsed: list[Override]) -> str:
+    """The sweeper that -m hands the sweeps to: hydra/sweeper=NAME, Hydra's basic one by default."""
+    import importlib.util
+
+    chosen = [str(o.value()) for o in parsed if o.key_or_group == "hydra/sweeper"]
+    if "optuna" in chosen and importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None:
+        raise UserError("hydra/sweeper=optuna needs the optuna extra: pip install 'ciuic-train[optuna]'")
+    return chosen[-1] if chosen else "basic"
+
+
+def _sweep_samples(parsed: list[Override]) -> list[list[str]]:
+    """Jobs that check a search space another sweeper will sample, without expanding it: the
+    fixed overrides with each swept key at each of its choices or either end of its range or
+    interval, the other swept keys at their first point (one job per point, not their product)."""
+    points: dict[str, list[str]] = {}
+    for override in parsed:
+        key = override.get_key_element()
+        points[key] = [f"{key}={value}" for value in _sweep_points(override)]
+    first = {key: values[0] for key, values in points.items()}
+    jobs = [list(first.values())]
+    for key, values in points.items():
+        jobs += [list({**first, key: value}.values()) for value in values[1:]]
+    return jobs
+
+
+def _sweep_points(override: Override) -> list[str]:
+    """The values `_sweep_samples` tries for one override (the value itself if it sweeps nothing)."""
+    value = override.value()
+    if not override.is_sweep_override():
+        return [override.get_value_element_as_str()]
+    if isinstance(value, IntervalSweep):
+        return [str(value.start), str(value.end)]
+    if isinstance(value, RangeSweep) and not value.shuffle:
+        count = math.ceil((value.stop - value.start) / value.step)
+        if count < 1:
+            raise UserError(f"{override.input_line!r}: the range is empty")
+        return [str(value.start), str(value.start + (count - 1) * value.step)]
+    points = list(override.sweep_string_iterator())
+    if not points:
+        raise UserError(f"{override.input_line!r}: the sweep has no points")
+    return points
 
 
 def _without_hydra(cfg: DictConfig) -> DictConfig:
@@ -493,7 +544,7 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
     with _as_user_errors():
         cfg = hydra.compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=True)
         run_dir, sweep_dir = str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
-        config = to_config(_without_hydra(cfg))
+        config = _job_config(_without_hydra(cfg), overrides)
     if not config_only and check_mesh:
         world_size = int(os.environ.get("WORLD_SIZE", config.dist.nnodes * config.dist.nproc_per_node))
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", config.dist.nproc_per_node))
@@ -508,7 +559,52 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
 
         find_sources(config.data)
         _check_resume(config, Path(run_dir))
+        _check_init_from(config, Path(run_dir))
     return CheckedJob(config, run_dir, sweep_dir)
+
+
+def _job_config(cfg: DictConfig, overrides: list[str]) -> Config:
+    """A job's typed config: the composed one, with the model fields its data and init_from
+    decide (`_model_follows_data`, `_model_from_init_from`), checked against the schema."""
+    return to_config(_model_from_init_from(_model_follows_data(cfg, overrides), overrides))
+
+
+def _model_follows_data(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """Model fields the data decides, unless the command line gives them: model.vocab_size
+    becomes the tokenizer's size (data.tokenizer=bpe: data.vocab_size; a tokenizer.json:
+    its vocabulary, added tokens included). Applied wherever a job's config is composed,
+    so the check, --plan and every rank see the same model."""
+    given = {override.split("=", 1)[0].lstrip("+~") for override in overrides}
+    if "model.vocab_size" not in given and cfg.data.tokenizer != "bytes":  # bytes: the preset's stands
+        from ciuic_train.tokenizer import model_vocab_size
+
+        size = model_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)
+        if size is not None:
+            cfg.model.vocab_size = size
+    return cfg
+
+
+def _model_from_init_from(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """With init_from=DIR, the model fields its config.json sets, under the command line's
+    own model.FIELD=... (ciuic_train/hf.py). Applied wherever a job's config is composed,
+    after the data's, so the checkpoint's shape wins over a tokenizer's size."""
+    if cfg.init_from:
+        from ciuic_train.hf import model_with_init_from
+
+        model = model_with_init_from(OmegaConf.to_container(cfg.model, resolve=True), cfg.init_from, overrides)
+        for key, value in model.items():
+            cfg.model[key] = value
+    return cfg
+
+
+def _check_init_from(config: Config, run_dir: Path) -> None:
+    """Check init_from's tensor names and shapes before Hydra touches the run folder; a run
+    that will resume its own checkpoint does not read it."""
+    from ciuic_train.checkpoint import resolve_resume
+    from ciuic_train.hf import check_init_from
+
+    if config.init_from and resolve_resume(config.resume, run_dir) is None:
+        check_init_from(config.model, Path(config.init_from).expanduser())
 
 
 def _check_resume(config: Config, run_dir: Path) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ciuic_train.errors import UserError
 from ciuic_train.model.config import ModelConfig
+from ciuic_train.trackers import check_loggers
 from ciuic_train.tricks import check_tricks
 
 
@@ -55,10 +56,13 @@ class Backend(Enum):
 class Schedule(Enum):
     """The learning rate after warmup: `cosine` decays from the peak to optim.min_lr_ratio
     over the rest of the run; `wsd` (warmup-stable-decay) stays at the peak and decays
-    over the last optim.decay_fraction of the steps; `constant` stays at the peak."""
+    over the last optim.decay_fraction of the steps; `step` multiplies it by
+    optim.step_factor at each of optim.step_fractions of the run (DeepSeek-V2's schedule);
+    `constant` stays at the peak."""
 
     cosine = "cosine"
     wsd = "wsd"
+    step = "step"
     constant = "constant"
 
 
@@ -93,7 +97,7 @@ class Progress(Enum):
 @dataclass
 class DataConfig:
     # stdlib: the running interpreter's standard library sources (no download);
-    # text: a file, folder or glob of text files; tokens: uint16 .bin memmap(s).
+    # text: a file, folder or glob of text files; tokens: uint16 or uint32 .bin memmap(s).
     name: str = "stdlib"
     path: str = ""
     # false: each epoch visits the windows in corpus order (ranks still take strided shares).
@@ -102,6 +106,17 @@ class DataConfig:
     val_fraction: float = 0.05
     # Where tokenized corpora are cached; empty means $XDG_CACHE_HOME/ciuic-train.
     cache_dir: str = ""
+    # bytes: one token per byte (vocab 256); bpe: a byte-level BPE of data.vocab_size tokens
+    # trained on the training split and cached with its tokens; or a path to a tokenizer.json.
+    # model.vocab_size follows it unless given (needs the `tokenizers` extra).
+    tokenizer: str = "bytes"
+    vocab_size: int = 0
+    # data=tokens: the .bin files' type, uint16 or uint32; empty: as tokens.json beside them
+    # records, else uint16.
+    dtype: str = ""
+    # Tokenizing: worker processes (0: one per CPU) and the MiB of text each takes at a time.
+    workers: int = 0
+    chunk_mb: float = 32.0
 
 
 @dataclass
@@ -118,6 +133,9 @@ class OptimConfig:
     # wsd: the fraction of train.max_steps at the end that decays, and how.
     decay_fraction: float = 0.2
     decay_shape: DecayShape = DecayShape.cosine
+    # step: at each of these fractions of train.max_steps the lr is multiplied by step_factor.
+    step_fractions: List[float] = field(default_factory=lambda: [0.8, 0.9])
+    step_factor: float = 0.316
 
 
 @dataclass
@@ -133,6 +151,10 @@ class TrainConfig:
     log_every: int = 10
     # Max global grad norm; 0 disables clipping.
     grad_clip: float = 1.0
+    # With model.n_mtp_layers > 0: the weight of the mean multi-token-prediction loss in the
+    # training loss (DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1). The logged `loss`
+    # stays the next-token loss; `mtp_loss` is logged beside it.
+    mtp_loss_weight: float = 0.3
     # On logging steps, log `grad_consistency`: the mean over ranks of the cosine between a
     # rank's own gradient and the all-reduced one (1 = every rank agrees). DDP only; its
     # all-reduce is then done by hand, in one collective, on those steps.
@@ -217,6 +239,8 @@ class Config:
     optim: OptimConfig = MISSING
     # One entry per selected trick (`+trick=name`), keyed by the trick's name.
     trick: Dict[str, Any] = field(default_factory=dict)
+    # One entry per selected experiment tracker (`+logger=name`): ciuic_train/trackers.py.
+    logger: Dict[str, Any] = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -225,6 +249,11 @@ class Config:
     # none: start fresh; auto: the latest complete checkpoint in the run folder, if any;
     # or a path to a checkpoint (step_<N>) or to a run folder.
     resume: str = "auto"
+    # A Hugging Face DeepSeek-V3/V2 folder (config.json and safetensors, sharded or not) whose
+    # weights a fresh run starts from, with a fresh optimizer. Its config.json sets the model
+    # fields it holds, over the preset's and under the command line's own model.FIELD=...;
+    # names and shapes are checked before anything runs. Not read again when a run resumes.
+    init_from: str = ""
     seed: int = 0
     device: Device = Device.auto
     precision: Precision = Precision.fp32
@@ -252,6 +281,30 @@ def to_config(cfg: DictConfig) -> Config:
     return config
 
 
+def _validate_tokenizer(data: DataConfig) -> None:
+    if not data.tokenizer:
+        raise UserError("data.tokenizer must be bytes, bpe or a path to a tokenizer.json")
+    if data.tokenizer == "bpe":
+        if data.vocab_size < 257:
+            raise UserError(
+                f"data.tokenizer=bpe needs data.vocab_size=N of at least 257 (the 256 bytes plus merges), "
+                f"not {data.vocab_size}"
+            )
+        if data.name == "tokens":
+            raise UserError(
+                "data=tokens is already tokenized, data.tokenizer=bpe trains on text; "
+                "give data.tokenizer=PATH/tokenizer.json to decode its samples"
+            )
+    elif data.vocab_size:
+        raise UserError(f"data.vocab_size={data.vocab_size} is for data.tokenizer=bpe only (not {data.tokenizer})")
+    if data.dtype not in ("", "uint16", "uint32"):
+        raise UserError(f"data.dtype={data.dtype!r} is not one of: uint16, uint32 (or empty: as recorded)")
+    if data.workers < 0:
+        raise UserError(f"data.workers={data.workers} must be 0 (one per CPU) or more")
+    if data.chunk_mb <= 0:
+        raise UserError(f"data.chunk_mb={data.chunk_mb} must be positive")
+
+
 def validate(config: Config) -> None:
     """Cross-field checks that a schema cannot express."""
     train = config.train
@@ -270,6 +323,16 @@ def validate(config: Config) -> None:
         raise UserError(f"train.spike_window={train.spike_window} must be at least 1")
     if train.grad_clip < 0:
         raise UserError(f"train.grad_clip={train.grad_clip} must be 0 (off) or positive")
+    if train.mtp_loss_weight < 0 or (config.model.n_mtp_layers and train.mtp_loss_weight == 0):
+        raise UserError(
+            f"train.mtp_loss_weight={train.mtp_loss_weight} must be positive with "
+            f"model.n_mtp_layers={config.model.n_mtp_layers} (turn MTP off with model.n_mtp_layers=0)"
+        )
+    if train.seq_len <= config.model.n_mtp_layers:
+        raise UserError(
+            f"train.seq_len={train.seq_len} must exceed model.n_mtp_layers={config.model.n_mtp_layers} "
+            "(MTP depth k predicts k + 1 tokens ahead)"
+        )
     if train.seq_len > config.model.max_seq_len:
         raise UserError(
             f"train.seq_len={train.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"
@@ -280,8 +343,14 @@ def validate(config: Config) -> None:
         raise UserError(f"data.name={config.data.name!r} is not one of: stdlib, text, tokens")
     if config.data.name in ("text", "tokens") and not config.data.path:
         raise UserError(f"data={config.data.name} needs data.path=FILE, FOLDER or GLOB")
+    _validate_tokenizer(config.data)
     if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
         raise UserError(f"optim.min_lr_ratio={config.optim.min_lr_ratio} must be between 0 and 1")
+    fractions = config.optim.step_fractions
+    if any(not 0.0 < f < 1.0 for f in fractions) or fractions != sorted(set(fractions)):
+        raise UserError(f"optim.step_fractions={fractions} must rise strictly, each between 0 and 1")
+    if not 0.0 < config.optim.step_factor <= 1.0:
+        raise UserError(f"optim.step_factor={config.optim.step_factor} must be above 0 and at most 1")
     if not 0.0 < config.optim.decay_fraction <= 1.0:
         raise UserError(f"optim.decay_fraction={config.optim.decay_fraction} must be above 0 and at most 1")
     if not config.sample.prompt:
@@ -301,5 +370,6 @@ def validate(config: Config) -> None:
     if config.dist.timeout_s < 1:
         raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
     check_tricks(config.trick)
+    check_loggers(config.logger)
     if config.sample.temperature <= 0:
         raise UserError(f"sample.temperature={config.sample.temperature} must be positive")

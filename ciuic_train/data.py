@@ -1,29 +1,64 @@
 """Corpora as token memmaps, and the samplers that cut them into training windows.
 
 Every corpus ends up in the nanoGPT layout: a folder holding `train.bin` and `val.bin`,
-flat uint16 token ids. Text is tokenized to bytes (vocab 256) once and cached under a
-key made of the source files' names, sizes and modification times, so a second run with
-the same sources starts at once.
+flat token ids (uint16, or uint32 for a vocabulary beyond 65,536, as `tokens.json`
+beside them says). Text is tokenized (bytes, a tokenizer.json, or a BPE trained here on
+the training split) once and cached under a key made of the source files' names, sizes
+and modification times and of the tokenizer, so a second run with the same sources
+starts at once.
+
+Tokenizing streams: files (a large one in pieces cut at newlines) go to worker
+processes and their ids are appended to the token files in order, so memory stays
+bounded whatever the corpus size. An entry is built in a temporary folder renamed into
+place when complete, under a lock on the cache: one process tokenizes (one per node
+without a shared filesystem), the others wait for it and then read its entry.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
+import logging
+import multiprocessing
 import os
+import shutil
+import socket
 import sys
 import sysconfig
-from dataclasses import dataclass
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from ciuic_train.config import DataConfig
 from ciuic_train.errors import UserError
-from ciuic_train.files import written_atomically
+from ciuic_train.files import write_json_atomic, written_atomically
+from ciuic_train.tokenizer import (
+    BPE,
+    BYTES,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    JsonTokenizer,
+    Tokenizer,
+    cut_points,
+    load_tokenizer_file,
+    read_token_meta,
+    require_tokenizers,
+    train_bpe,
+)
 
-BYTE_VOCAB_SIZE = 256
+log = logging.getLogger("ciuic_train")
+
+TOKEN_DTYPES = ("uint16", "uint32")
+# Files are joined with a blank line so one file's end never runs into the next's start.
+FILE_SEPARATOR = b"\n\n"
 # Standard-library folders left out of the default corpus: test suites hold
 # deliberately odd encodings and generated data, idlelib is a GUI.
 _STDLIB_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -46,10 +81,37 @@ class TokenSplits:
     val: np.ndarray
     vocab_size: int
     description: str
+    # What encodes prompts and decodes samples; bytes unless data.tokenizer says otherwise.
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+
+
+def run_tokenizer_file(run_dir: Path | str) -> Path | None:
+    """The tokenizer.json a run trained with (None: bytes), for export to carry."""
+    path = Path(run_dir) / TOKENIZER_FILE
+    return path if path.is_file() else None
+
+
+def save_tokenizer(tokenizer: Tokenizer, run_dir: Path) -> None:
+    """Keep the run's tokenizer in its folder (bytes need none), with the tokenizer_config.json
+    found beside a tokenizer.json it was given (its special tokens and chat template)."""
+    text = tokenizer.to_str()
+    if text is None:
+        return
+    with written_atomically(run_dir / TOKENIZER_FILE) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    given = Path(tokenizer.name).expanduser().parent / TOKENIZER_CONFIG_FILE
+    if tokenizer.name != BPE and given.is_file():
+        with written_atomically(run_dir / TOKENIZER_CONFIG_FILE) as tmp:
+            shutil.copyfile(given, tmp)
 
 
 def find_sources(cfg: DataConfig) -> Sources:
-    """Resolve the configured corpus into files, failing with a clear message if there are none."""
+    """Resolve the configured corpus into files, failing with a clear message if there are none
+    (or if the tokenizer named is not there)."""
+    if cfg.tokenizer == BPE:
+        require_tokenizers(BPE)
+    elif cfg.tokenizer != BYTES:
+        load_tokenizer_file(cfg.tokenizer)
     if cfg.name == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = _stdlib_sources(root)
@@ -121,24 +183,80 @@ def load_tokens(cfg: DataConfig) -> TokenSplits:
     """Token splits for the configured corpus, tokenizing and caching text on first use."""
     sources = find_sources(cfg)
     if sources.kind == "tokens":
-        train = _open_bin(sources.train[0])
-        val = _open_bin(sources.val[0]) if sources.val else None
-        if val is None:
-            train, val = _tail_split(train, sources.tail_fraction)
-        vocab = int(max(train.max(initial=0), val.max(initial=0))) + 1
-        return TokenSplits(train, val, vocab, f"tokens {cfg.path}")
+        return _load_pretokenized(cfg, sources)
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-    folder = cache / f"{sources.kind}-{_sources_key(sources)}"
-    if not (folder / "val.bin").is_file():
-        _write_byte_corpus(sources, folder)
+    tokenizer = None if cfg.tokenizer in (BYTES, BPE) else load_tokenizer_file(cfg.tokenizer)
+    suffix = f"-tok{tokenizer.fingerprint()}" if tokenizer else {BYTES: "", BPE: f"-bpe{cfg.vocab_size}"}[cfg.tokenizer]
+    folder = cache / f"{sources.kind}-{_sources_key(sources)}{suffix}"
+    if not _complete(folder):
+        with _cache_lock(folder):
+            if not _complete(folder):
+                _build_entry(sources, cfg, folder, tokenizer or ByteTokenizer())
+    if cfg.tokenizer != BYTES:
+        tokenizer = JsonTokenizer(cfg.tokenizer, (folder / TOKENIZER_FILE).read_text(encoding="utf-8"))
+    else:
+        tokenizer = ByteTokenizer()
+    dtype = read_token_meta(folder).get("dtype", "uint16")  # entries before tokens.json were bytes in uint16
     n_files = len(sources.train) + len(sources.val)
     origin = f"python {sys.version.split()[0]} stdlib" if sources.kind == "stdlib" else cfg.path
+    what = "bytes" if cfg.tokenizer == BYTES else f"{cfg.tokenizer}, {tokenizer.vocab_size:,} tokens"
     return TokenSplits(
-        _open_bin(folder / "train.bin"),
-        _open_bin(folder / "val.bin"),
-        BYTE_VOCAB_SIZE,
-        f"{origin} ({n_files} files, bytes)",
+        _open_bin(folder / "train.bin", dtype),
+        _open_bin(folder / "val.bin", dtype),
+        tokenizer.vocab_size,
+        f"{origin} ({n_files} files, {what})",
+        tokenizer,
     )
+
+
+def _load_pretokenized(cfg: DataConfig, sources: Sources) -> TokenSplits:
+    """data=tokens: ids as written by any tokenizer; data.tokenizer (a tokenizer.json) decodes samples."""
+    dtype = _declared_dtype(cfg, sources.train[0].parent)
+    train = _open_bin(sources.train[0], dtype)
+    val = _open_bin(sources.val[0], dtype) if sources.val else None
+    if val is None:
+        train, val = _tail_split(train, sources.tail_fraction)
+    vocab = int(max(train.max(initial=0), val.max(initial=0))) + 1
+    tokenizer = ByteTokenizer() if cfg.tokenizer == BYTES else load_tokenizer_file(cfg.tokenizer)
+    if cfg.tokenizer != BYTES:
+        vocab = max(vocab, tokenizer.vocab_size)
+    return TokenSplits(train, val, vocab, f"tokens {cfg.path} ({dtype})", tokenizer)
+
+
+def _declared_dtype(cfg: DataConfig, folder: Path) -> str:
+    """data.dtype, else the dtype tokens.json beside the files records, else uint16 (nanoGPT's)."""
+    recorded = read_token_meta(folder).get("dtype")
+    if recorded is not None and recorded not in TOKEN_DTYPES:
+        raise UserError(f"{folder / 'tokens.json'} gives dtype {recorded!r}; allowed: {', '.join(TOKEN_DTYPES)}")
+    if cfg.dtype and recorded and cfg.dtype != recorded:
+        raise UserError(f"data.dtype={cfg.dtype} but {folder / 'tokens.json'} records {recorded}; drop one")
+    return cfg.dtype or recorded or "uint16"
+
+
+def _complete(folder: Path) -> bool:
+    # An entry appears by renaming its finished folder; folders of older versions were
+    # complete once val.bin (written last) was there.
+    return (folder / "val.bin").is_file()
+
+
+@contextmanager
+def _cache_lock(folder: Path) -> Iterator[None]:
+    """One process at a time builds the cache entry `folder`; the kernel drops the lock of
+    a process that dies, so a killed tokenizer never blocks the next run."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder.parent / f".{folder.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if int(os.environ.get("RANK", 0)) == 0:
+                log.info(f"waiting for another process that is tokenizing into {folder}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:  # a filesystem without flock (some NFS mounts): each builds, the first rename wins
+            log.warning(f"cannot lock {folder.parent} ({err.strerror}); every process tokenizes for itself")
+        yield
+    finally:
+        os.close(fd)
 
 
 def _sources_key(sources: Sources) -> str:
@@ -150,26 +268,129 @@ def _sources_key(sources: Sources) -> str:
     return h.hexdigest()[:16]
 
 
-def _write_byte_corpus(sources: Sources, folder: Path) -> None:
-    """Byte-tokenize the files into train.bin / val.bin, visible only once complete."""
-    folder.mkdir(parents=True, exist_ok=True)
-    train = _read_bytes(sources.train)
-    val = _read_bytes(sources.val) if sources.val else None
-    if val is None:
-        train, val = _tail_split(train, sources.tail_fraction)
-    # val.bin is written last: its presence marks a complete cache entry.
-    for name, tokens in (("train.bin", train), ("val.bin", val)):
-        with written_atomically(folder / name) as tmp:
-            tokens.astype(np.uint16).tofile(tmp)
+def _build_entry(sources: Sources, cfg: DataConfig, folder: Path, tokenizer: Tokenizer) -> None:
+    """Tokenize the sources into a new folder (training the BPE first if asked), renamed
+    to `folder` once complete."""
+    chunk = max(1, int(cfg.chunk_mb * 2**20))
+    tmp = folder.with_name(f".{folder.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # unique on a shared disk
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if cfg.tokenizer == BPE:
+            if int(os.environ.get("RANK", 0)) == 0:
+                log.info(f"training a byte-level BPE of {cfg.vocab_size} tokens on {len(sources.train)} files")
+            tokenizer = train_bpe(_texts(sources.train, chunk), cfg.vocab_size)
+        if tokenizer.to_str() is not None:
+            (tmp / TOKENIZER_FILE).write_text(tokenizer.to_str(), encoding="utf-8")
+        counts = _write_tokens(sources, tokenizer, tmp, chunk, cfg.workers)
+        dtype = np.dtype(tokenizer.dtype).name
+        write_json_atomic(tmp / "tokens.json",
+                          {"tokenizer": tokenizer.name, "dtype": dtype, "vocab_size": tokenizer.vocab_size, **counts})
+        if folder.exists() and not _complete(folder):  # an unfinished entry of an older version, built in place
+            shutil.rmtree(folder)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not _complete(folder):
+                raise  # else another process, not locked out (`_cache_lock`), finished first: its entry serves
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _read_bytes(files: list[Path]) -> np.ndarray:
-    # Files are joined with a blank line so one file's end never runs into the next's start.
-    parts = []
+def _texts(files: list[Path], chunk: int) -> Iterator[str]:
+    """The files' text, a chunk at a time (what the BPE trainer reads)."""
     for f in files:
-        parts.append(f.read_bytes())
-        parts.append(b"\n\n")
-    return np.frombuffer(b"".join(parts), dtype=np.uint8)
+        for start, end in pairwise(cut_points(f, chunk)):
+            yield _read_range(f, start, end).decode("utf-8", errors="replace")
+
+
+def _read_range(path: Path, start: int, end: int) -> bytes:
+    with path.open("rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+# (split, file, start, end): one piece of work, a file's bytes [start, end).
+Unit = tuple[str, Path, int, int]
+
+
+def _units(sources: Sources, chunk: int) -> list[Unit]:
+    return [
+        (split, f, start, end)
+        for split, files in (("train", sources.train), ("val", sources.val))
+        for f in files
+        for start, end in pairwise(cut_points(f, chunk))
+    ]
+
+
+def _write_tokens(sources: Sources, tokenizer: Tokenizer, folder: Path, chunk: int, workers: int) -> dict[str, int]:
+    """Append each unit's ids to train.bin / val.bin in order; a missing val split is the
+    tail of the training tokens. Returns the token counts."""
+    units = _units(sources, chunk)
+    dtype = np.dtype(tokenizer.dtype)
+    with (folder / "train.bin").open("wb") as train, (folder / "val.bin").open("wb") as val:
+        outputs = {"train": train, "val": val}
+        for split, tokens in _tokenized(units, tokenizer, chunk, workers):
+            tokens.astype(dtype, copy=False).tofile(outputs[split])
+    if not sources.val:
+        _move_tail(folder / "train.bin", folder / "val.bin", dtype, sources.tail_fraction)
+    return {f"{split}_tokens": (folder / f"{split}.bin").stat().st_size // dtype.itemsize for split in ("train", "val")}
+
+
+def _move_tail(train: Path, val: Path, dtype: np.dtype, fraction: float) -> None:
+    """The last `fraction` of train.bin's tokens become val.bin, copied a block at a time."""
+    n = train.stat().st_size // dtype.itemsize
+    cut = (n - max(1, int(n * fraction))) * dtype.itemsize
+    with train.open("rb") as source, val.open("wb") as target:
+        source.seek(cut)
+        shutil.copyfileobj(source, target, 1 << 24)
+    os.truncate(train, cut)
+
+
+def _tokenized(units: list[Unit], tokenizer: Tokenizer, chunk: int, workers: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Each unit's (split, ids), in order. Bytes need no tokenizer work, and a corpus of one
+    chunk is not worth starting processes for: both stay in this process."""
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    total = sum(end - start for _, _, start, end in units)
+    if isinstance(tokenizer, ByteTokenizer) or workers == 1 or total <= chunk:
+        for unit in units:
+            yield _tokenize_unit(unit, tokenizer)
+        return
+    # fork (as torch's DataLoader workers): `python -m ciuic_train` runs its main at
+    # import, which spawn would repeat in each worker. The workers are the parallelism,
+    # one tokenizer thread each; this also keeps tokenizers from warning about the fork.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    context = multiprocessing.get_context("fork")
+    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer.name, tokenizer.to_str())) as pool:
+        # At most 2 units per worker are read or held at once: memory stays bounded
+        # however far the writer lags.
+        pending: deque = deque()
+        for unit in units:
+            pending.append(pool.apply_async(_work, (unit,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        for result in pending:
+            yield result.get()
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(name: str, json_text: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = JsonTokenizer(name, json_text)
+
+
+def _work(unit: Unit) -> tuple[str, np.ndarray]:
+    return _tokenize_unit(unit, _worker_tokenizer)
+
+
+def _tokenize_unit(unit: Unit, tokenizer: Tokenizer) -> tuple[str, np.ndarray]:
+    split, path, start, end = unit
+    data = _read_range(path, start, end)
+    if end == path.stat().st_size:
+        data += FILE_SEPARATOR
+    return split, tokenizer.encode_bytes(data)
 
 
 def _tail_split(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -177,10 +398,14 @@ def _tail_split(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.nda
     return tokens[:-n_val], tokens[-n_val:]
 
 
-def _open_bin(path: Path) -> np.ndarray:
-    if path.stat().st_size < 4:
+def _open_bin(path: Path, dtype: str = "uint16") -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size < 2 * itemsize:
         raise UserError(f"{path} holds no tokens")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    if size % itemsize:
+        raise UserError(f"{path} is {size} bytes, not a whole number of {dtype} tokens; set data.dtype to its type")
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

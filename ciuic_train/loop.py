@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ciuic_train.config import CheckpointConfig, FaultConfig, OnNonFinite, TrainConfig
@@ -149,6 +149,7 @@ class StepCheck:
     grad_norm: float
     finite: bool  # the loss and gradient norm are finite on every rank
     stop_signal: str | None  # a signal any rank received (`StopRequest.decide`)
+    side_losses: dict[str, float] = field(default_factory=dict)  # e.g. mtp_loss, mean over ranks
 
 
 class LossWatch:
@@ -173,11 +174,18 @@ class LossWatch:
         self.skipped_steps = 0
         self.loss_spikes = 0
 
-    def agree(self, parallel, loss: float, grad_norm: float, stop_votes: list[float]) -> StepCheck:
+    def agree(
+        self, parallel, loss: float, grad_norm: float, stop_votes: list[float], side_losses: dict[str, float] | None = None
+    ) -> StepCheck:
+        """`side_losses` (the model's `loss_figures`, the same names on every rank) ride along,
+        averaged over ranks like the loss."""
+        side_losses = side_losses or {}
         bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        totals = parallel.sum([loss, grad_norm, float(bad), *stop_votes])
+        totals = parallel.sum([loss, grad_norm, float(bad), *side_losses.values(), *stop_votes])
         world = parallel.world_size
-        return StepCheck(totals[0] / world, totals[1] / world, totals[2] == 0, StopRequest.decide(totals[3:]))
+        side = dict(zip(side_losses, (total / world for total in totals[3 : 3 + len(side_losses)])))
+        votes = totals[3 + len(side_losses) :]
+        return StepCheck(totals[0] / world, totals[1] / world, totals[2] == 0, StopRequest.decide(votes), side)
 
     def judge(self, step: int, check: StepCheck) -> str:
         """`apply`, `skip` or `stop` for optimizer step `step` (1-based), the same on every rank."""

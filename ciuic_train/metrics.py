@@ -19,27 +19,36 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ciuic_train.files import written_atomically
+from ciuic_train.trackers import Trackers
 
 log = logging.getLogger("ciuic_train")
 
 
 class MetricsFile:
-    """One JSON object per logged step, appended and flushed so a crash loses nothing logged.
+    """One JSON object per logged step, appended and flushed so a crash loses nothing logged;
+    each line also goes to the experiment trackers (`+logger=...`), as the summary does.
 
     Without a path (ranks other than 0) it writes nothing.
     """
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, trackers: Trackers | None = None):
         self._file = open(path, "a", encoding="utf-8") if path is not None else None
+        self._trackers = trackers or Trackers([])
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        self._trackers.log_metrics(record)
 
-    def close(self) -> None:
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        self._trackers.log_summary(summary)
+
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ends by an error, which the trackers record."""
         if self._file is not None:
             self._file.close()
+        self._trackers.close(failed)
 
 
 def drop_metrics_after(path: Path, step: int) -> None:

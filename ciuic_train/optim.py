@@ -20,7 +20,8 @@ DECAY_SHAPES = {
 class LrSchedule:
     """Linear warmup to `peak`, then `kind` (`Schedule`): a decay to `peak * min_ratio` at
     `total_steps` shaped by `decay_shape`, starting right after warmup (cosine) or for the
-    last `decay_fraction` of the steps (wsd); or no decay (constant).
+    last `decay_fraction` of the steps (wsd); `step_factor` applied at each of
+    `step_fractions` of the steps (step); or no decay (constant).
 
     A pure function of the step, so every rank computes the same value and a resumed run
     continues the same curve. Steps count from 0 (the first optimizer step).
@@ -33,11 +34,19 @@ class LrSchedule:
     kind: Schedule = Schedule.cosine
     decay_fraction: float = 1.0
     decay_shape: DecayShape = DecayShape.cosine
+    step_fractions: tuple[float, ...] = ()
+    step_factor: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: OptimConfig, peak: float, warmup_steps: int, total_steps: int) -> "LrSchedule":
         shape = DecayShape.cosine if cfg.schedule is Schedule.cosine else cfg.decay_shape
-        return cls(peak, warmup_steps, total_steps, cfg.min_lr_ratio, cfg.schedule, cfg.decay_fraction, shape)
+        return cls(peak, warmup_steps, total_steps, cfg.min_lr_ratio, cfg.schedule, cfg.decay_fraction, shape,
+                   tuple(cfg.step_fractions), cfg.step_factor)
+
+    @property
+    def drops(self) -> list[int]:
+        """The steps at which `step` multiplies the lr by `step_factor`."""
+        return [round(fraction * self.total_steps) for fraction in self.step_fractions]
 
     @property
     def decay_start(self) -> int:
@@ -48,6 +57,8 @@ class LrSchedule:
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.peak * (step + 1) / self.warmup_steps
+        if self.kind is Schedule.step:
+            return self.peak * self.step_factor ** sum(step >= drop for drop in self.drops)
         if self.kind is Schedule.constant or step < self.decay_start:
             return self.peak
         progress = min(1.0, (step - self.decay_start) / max(1, self.total_steps - self.decay_start))

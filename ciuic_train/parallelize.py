@@ -16,7 +16,8 @@
 
 The order is the one torchtitan settled on: the wrappers that change what a block
 computes come first, and sharding last, so FSDP sees the blocks it must gather as they
-will run. It works on the blocks of `ciuic_train.model.Transformer` (`model.layers`).
+will run. It works on the blocks of `ciuic_train.model.Transformer` (`model.blocks()`: the
+main layers, then the multi-token-prediction depths').
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, comm_hook: CommHoo
 
         shard_experts(model, mesh.experts())
     if config.activation_checkpointing:
-        for block in model.layers:
+        for block in model.blocks():
             checkpoint_activations(block)
     if config.compile:
-        for block in model.layers:
+        for block in model.blocks():
             block.compile()
     if mesh.strategy == "ddp":
         return replicate(model, mesh, comm_hook, config.dist.ddp_bucket_mb)
@@ -101,8 +102,8 @@ def replicate(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None, bucket_m
 
 
 def shard(model: nn.Module, mesh: Mesh, bf16: bool) -> None:
-    """FSDP2: each block's parameters sharded across ranks and gathered when it runs; then
-    the rest (embedding, final norm, lm head) as the root.
+    """FSDP2: each block's (and MTP depth's) parameters sharded across ranks and gathered
+    when it runs; then the rest (embedding, final norm, lm head) as the root.
 
     Under expert parallelism the experts are DTensors split over `ep`; FSDP shards them
     further over the ranks that hold the same experts (`Mesh.expert_copies`), through a
@@ -119,8 +120,8 @@ def shard(model: nn.Module, mesh: Mesh, bf16: bool) -> None:
     )
     dense = mesh.dense()
     placement = _expert_placement(model, mesh) if mesh.shape.ep > 1 else None
-    for block in model.layers:
-        fully_shard(block, mesh=dense, mp_policy=policy, shard_placement_fn=placement)
+    for unit in [*model.layers, *model.mtp]:  # an MTP depth is gathered as a whole
+        fully_shard(unit, mesh=dense, mp_policy=policy, shard_placement_fn=placement)
     fully_shard(model, mesh=dense, mp_policy=policy)
 
 

@@ -47,8 +47,8 @@ ranks that hold the same experts: ceil((E / ep) / efsdp) experts' rows. Replicas
 
 FSDP's all-gathers (see `_units`)
 ---------------------------------
-FSDP2 wraps each block (`fully_shard(block)`), then the root (embedding, final norm, lm
-head). A unit's gather returns, per parameter, n * ceil(d0 / n) * rest elements (dense,
+FSDP2 wraps each block (`fully_shard(block)`) and each MTP depth, then the root
+(embedding, final norm, lm head). A unit's gather returns, per parameter, n * ceil(d0 / n) * rest elements (dense,
 over dp_shard) or efsdp * ceil((E / ep) / efsdp) * rest (experts: only this rank's E / ep
 experts, gathered over efsdp), in g bytes: g = 2 (bf16) when precision=bf16 on a CUDA
 device (device=cuda or auto; FSDP2's MixedPrecisionPolicy), else 4.
@@ -93,9 +93,15 @@ MoE block (group ends); and per micro-batch 8 N (token ids) + N (D r + 4) (final
 + N D r (the loss's gradient for h) + V D g (its lm head gradient, accumulated in fp32
 and kept in the dtype of the weight it was given: g) + 8.
 
+Each multi-token-prediction depth k (`model.n_mtp_layers`) adds one block over T - k
+positions (MoE when the model has MoE layers), and per one of its N_k = B (T - k) tokens
+(D r + 4) (enorm input) + 4 (hnorm) + 2 D a (the pair eh_proj reads) + (D r + 4) (its
+final norm) + D r (the loss's gradient for h), another V D g + 8 for the shared head, and
+for k = 1 N D r: hnorm reads a view of the main model's normalised output, which keeps it.
+
 Without activation checkpointing: the top-level terms + every block's saved tensors
 + one more block's worth (backward's working set: the gradients of the block being
-differentiated). With it: the top-level terms + each block's input (N D r per block)
+differentiated). With it: the top-level terms + each block's input (N D r per block, N_k D r per MTP block)
 + 2 x the largest block (its recomputed tensors and backward's working set).
 The saved-tensor count is checked against `torch.autograd.graph.saved_tensors_hooks`
 in fp32 on CPU (tests/test_plan.py); the CUDA kernels' figures are derived, not
@@ -110,12 +116,13 @@ Communication per optimizer step (see `_communication`), bytes a rank sends
   sum of (m - 1) x shard x 4;
 - all-reduce (exact): HSDP's replica all-reduce of the fp32 sharded gradients,
   2 (R - 1) / R x shard bytes; DDP's gradients, 2 (W - 1) / W x 4 x parameters, once a
-  step; and the MoE load counts (`balance_experts`), 2 (W - 1) / W x 4 L_moe E;
+  step; and the MoE load counts (`balance_experts`), 2 (W - 1) / W x 4 L_moe E (MTP
+  depths' MoE layers included);
 - all-to-all (EP, estimate): per MoE layer and micro-batch, the token rows go out and
   come back in forward and again in backward, and a rank keeps 1/ep of its rows under
   uniform routing: 2 N k D (r + a) (ep - 1) / ep (= 2 * 2 * N k D a (ep - 1) / ep when
   r = a); activation checkpointing re-runs the forward exchanges: 3 N k D (r + a) ...;
-  plus the counts (E int64) once per forward.
+  plus the counts (E int64) once per forward; an MTP depth's MoE layer routes its B (T - k) tokens.
 Scalar reductions (loss, grad norm) are left out.
 """
 
@@ -184,10 +191,11 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
     mesh = resolve_plan_mesh(config)
     if model is None:
         model = build_meta_model(config)
-    from ciuic_train.model import count_parameters
+    from ciuic_train.model import count_mtp_parameters, count_parameters
 
     widths = Widths.of(config, mesh)
     total, active = count_parameters(model)
+    mtp_total, mtp_active = count_mtp_parameters(model)
     units = _units(model, mesh)
     sharded = mesh.strategy in ("fsdp", "hsdp")
 
@@ -220,7 +228,7 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
         "world_size": mesh.world_size,
         "nodes": config.dist.nnodes,
         "mesh": {**mesh.as_dict(), "efsdp": mesh.efsdp, "strategy": mesh.strategy},
-        "parameters": {"total": total, "active": active},
+        "parameters": {"total": total, "active": active, "mtp": mtp_total, "mtp_active": mtp_active},
         "widths": {"residual": widths.r, "activation": widths.a, "gather": widths.g},
         "tokens_per_rank": config.train.batch_size * config.train.seq_len,
         "memory": {
@@ -257,13 +265,13 @@ class Unit:
 
 
 def _units(model: nn.Module, mesh: MeshShape) -> list[Unit]:
-    """The blocks in order, then the root (everything no block holds)."""
+    """The blocks in order, then the MTP depths, then the root (everything neither holds)."""
     from ciuic_train.expert_parallel import expert_parameters
 
     experts = {id(p) for p in expert_parameters(model)}
     in_blocks: set[int] = set()
     groups = []
-    for block in model.layers:
+    for block in [*model.layers, *model.mtp]:
         params = list(_unique(block.parameters()))
         in_blocks.update(id(p) for p in params)
         groups.append(params)
@@ -350,23 +358,35 @@ def activation_bytes(config: Config, widths: Widths, block_weights: list[int] | 
         + k * (D * a + 4 * h * a + D * a + D * r)
         + 4 * S * a
     )
-    # Per micro-batch.
-    per_block = 8 * T * d_rope + (0 if widths.cuda else 4 * B * H * _blocked_probs(T))
-    dense_block = N * (attention + dense) + per_block
-    moe_block = N * (attention + moe) + per_block + 4 * E
+    # Per micro-batch, for a block over sequences of length `seq`.
+    def block_bytes(seq: int, is_moe: bool) -> int:
+        per_block = 8 * seq * d_rope + (0 if widths.cuda else 4 * B * H * _blocked_probs(seq))
+        return B * seq * (attention + (moe if is_moe else dense)) + per_block + (4 * E if is_moe else 0)
+
     n_moe = m.n_layers - m.n_dense_layers
-    per_layer = [dense_block if i < m.n_dense_layers else moe_block for i in range(m.n_layers)]
+    per_layer = [block_bytes(T, i >= m.n_dense_layers) for i in range(m.n_layers)]
+    # MTP depth k: its block over T - k positions, and around it (per position) the two
+    # norms' inputs, the pair eh_proj reads, its own final norm, the loss's gradient for h;
+    # depth 1 also keeps the main model's output alive (hnorm reads a view of it); and a
+    # second lm head gradient.
+    per_depth = []
+    for k in range(1, m.n_mtp_layers + 1):
+        n_k = B * (T - k)
+        around = n_k * ((D * r + 4) + 4 + 2 * D * a + (D * r + 4) + D * r) + m.vocab_size * D * widths.g + 8
+        per_depth.append((block_bytes(T - k, n_moe > 0), around + (N * D * r if k == 1 else 0)))
+    blocks = per_layer + [block for block, _ in per_depth]
     if widths.copies_per_consumer and block_weights is not None:
-        per_layer = [b + 2 * w for b, w in zip(per_layer, block_weights)]
-    top = 8 * N + N * (D * r + 4) + N * D * r + m.vocab_size * D * widths.g + 8
-    largest = max(per_layer)
-    saved = top + sum(per_layer)
+        blocks = [b + 2 * w for b, w in zip(blocks, block_weights)]
+    top = 8 * N + N * (D * r + 4) + N * D * r + m.vocab_size * D * widths.g + 8 + sum(around for _, around in per_depth)
+    largest = max(blocks)
+    saved = top + sum(blocks)
+    block_inputs = N * D * r * m.n_layers + sum(B * (T - k) * D * r for k in range(1, m.n_mtp_layers + 1))
     return {
         "saved": saved,
         "no_ac": saved + largest,
-        "ac": top + m.n_layers * N * D * r + 2 * largest,
-        "dense_block": per_layer[0] if m.n_dense_layers else 0,
-        "moe_block": per_layer[-1] if n_moe else 0,
+        "ac": top + block_inputs + 2 * largest,
+        "dense_block": blocks[0] if m.n_dense_layers else 0,
+        "moe_block": blocks[m.n_layers - 1] if n_moe else 0,
         "top": top,
     }
 
@@ -386,6 +406,8 @@ def _communication(config: Config, model: nn.Module, mesh: MeshShape, widths: Wi
     N = t.batch_size * t.seq_len
     W, R = mesh.world_size, mesh.dp_replicate
     n_moe = m.n_layers - m.n_dense_layers
+    # Tokens each MoE layer routes per micro-batch: N in the main model, B (T - k) in MTP depth k.
+    moe_tokens = [N] * n_moe + ([t.batch_size * (t.seq_len - k) for k in range(1, m.n_mtp_layers + 1)] if n_moe else [])
     sharded = mesh.strategy in ("fsdp", "hsdp")
     blocks, root = units[:-1], units[-1]
 
@@ -400,12 +422,15 @@ def _communication(config: Config, model: nn.Module, mesh: MeshShape, widths: Wi
     ddp = 0
     if mesh.strategy == "ddp":
         ddp = 2 * (W - 1) * 4 * sum(sum(u.stored.values()) for u in units) // W
-    load = 2 * (W - 1) * 4 * n_moe * m.n_routed_experts // W if W > 1 and n_moe else 0
+    load = 2 * (W - 1) * 4 * len(moe_tokens) * m.n_routed_experts // W if W > 1 and moe_tokens else 0
     forwards = 2 if config.activation_checkpointing else 1
     ep = mesh.ep
-    rows = (forwards + 1) * N * m.n_activated_experts * m.dim * (widths.r + widths.a) * (ep - 1) // ep
+
+    def rows(tokens: int) -> int:
+        return (forwards + 1) * tokens * m.n_activated_experts * m.dim * (widths.r + widths.a) * (ep - 1) // ep
+
     counts = forwards * 8 * m.n_routed_experts * (ep - 1) // ep
-    all_to_all = micro * n_moe * (rows + counts) if ep > 1 else 0
+    all_to_all = micro * sum(rows(tokens) + counts for tokens in moe_tokens) if ep > 1 else 0
     return {
         "all_gather": all_gather,
         "reduce_scatter": reduce_scatter,
@@ -423,11 +448,12 @@ def print_plan(config: Config) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ciuic_train.model import count_parameters
+    from ciuic_train.model import count_mtp_parameters, count_parameters
 
     mesh = resolve_plan_mesh(config)  # a bad mesh is a one-line error before torch loads
     model = build_meta_model(config)
     total, active = count_parameters(model)
+    mtp_total, mtp_active = count_mtp_parameters(model)
     m, t = config.model, config.train
     table = Table(title=f"plan: model={m.name}", show_header=False)
     table.add_column("key", style="bold")
@@ -435,10 +461,17 @@ def print_plan(config: Config) -> None:
     rows = {
         "parameters (total)": f"{total:,} ({total / 1e9:.2f} B)",
         "parameters (active per token)": f"{active:,} ({active / 1e9:.2f} B)",
+        **({
+            f"MTP ({m.n_mtp_layers} depth{'s' * (m.n_mtp_layers > 1)})": (
+                f"+ {mtp_total:,} ({mtp_total / 1e9:.2f} B, {mtp_active / 1e9:.2f} B active); shares the "
+                f"embedding and head, which DeepSeek's released MTP weights copy "
+                f"({(mtp_total + 2 * m.vocab_size * m.dim) / 1e9:.2f} B with them)"
+            )
+        } if mtp_total else {}),
         "layers (dense + MoE)": f"{m.n_layers} ({m.n_dense_layers} + {m.n_layers - m.n_dense_layers})",
         "experts per MoE layer": f"{m.n_routed_experts} routed (top-{m.n_activated_experts}) + {m.n_shared_experts} shared",
         "attention": f"MLA, {m.n_heads} heads, kv_lora_rank {m.kv_lora_rank}, q_lora_rank {m.q_lora_rank or 'none'}",
-        "fp32 weights + AdamW state": f"{total * 16 / 2**30:,.1f} GiB",
+        "fp32 weights + AdamW state": f"{(total + mtp_total) * 16 / 2**30:,.1f} GiB",
         "tokens per optimizer step": f"{t.batch_size * t.seq_len * t.grad_accum * mesh.world_size:,}",
         "data": config.data.name + (f" ({config.data.path})" if config.data.path else ""),
         "tricks": ", ".join(sorted(config.trick)) or "none",

@@ -12,7 +12,7 @@ One optimizer step (`Trainer.train_step`):
                                             (DDP's all-reduce, or tricks.comm_hook in its place;
                                             FSDP2's reduce-scatter, plus all-reduce under HSDP)
     clip the global gradient norm (across every mesh)
-    ranks agree: mean loss, finite?, stop?  (`LossWatch.agree`, the step's one small collective)
+    ranks agree: mean losses, finite?, stop?  (`LossWatch.agree`, the step's one small collective)
     if finite: optimizer step; MoE: one balancing step from the tokens each expert received
     else: no update; stop the run, or skip the step (train.on_nonfinite)
 
@@ -43,17 +43,27 @@ from ciuic_train.checkpoint import (
     run_fingerprint,
 )
 from ciuic_train.config import Config, Device, OnNonFinite, Precision
-from ciuic_train.data import WindowSampler, eval_indices, get_batch, load_tokens, n_windows, unigram_entropy
+from ciuic_train.data import (
+    WindowSampler,
+    eval_indices,
+    get_batch,
+    load_tokens,
+    n_windows,
+    save_tokenizer,
+    unigram_entropy,
+)
 from ciuic_train.errors import RunFailed, UserError, first_line
 from ciuic_train.files import write_json_atomic
+from ciuic_train.hf import load_hf_weights
 from ciuic_train.loop import Cadence, LossWatch, StepCheck, StopRequest, Throughput, inject_fault, poison_loss
 from ciuic_train.mesh import check_grad_consistency
 from ciuic_train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
-from ciuic_train.model import Transformer, count_parameters, generate
+from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters, generate
 from ciuic_train.model.deepseek import IGNORE_INDEX
 from ciuic_train.optim import LrSchedule, build_optimizer
 from ciuic_train.parallel import Parallel, clip_grad_norm_, param_bytes, param_checksum
 from ciuic_train.parallelize import parallelize
+from ciuic_train.trackers import Trackers
 from ciuic_train.tricks import TrickContext, build_tricks
 
 log = logging.getLogger("ciuic_train")
@@ -88,6 +98,13 @@ class Trainer:
         torch.manual_seed(config.seed)
 
         self.data = load_tokens(config.data)
+        tokenizer_size = self.data.tokenizer.vocab_size
+        if config.data.tokenizer != "bytes" and tokenizer_size > config.model.vocab_size:
+            raise UserError(
+                f"data.tokenizer={config.data.tokenizer} has {tokenizer_size} tokens but "
+                f"model.vocab_size={config.model.vocab_size}; set model.vocab_size={tokenizer_size} or more, "
+                "or leave it out to follow the tokenizer"
+            )
         if self.data.vocab_size > config.model.vocab_size:
             raise UserError(
                 f"the data has token ids up to {self.data.vocab_size - 1} but "
@@ -101,6 +118,10 @@ class Trainer:
         # Every rank builds the same weights from the same seed; DDP also broadcasts rank 0's.
         self.model = Transformer(config.model).to(self.device)
         self.tricks.init_weights(self.model)
+        self.resumed_from = resolve_resume(config.resume, run_dir)
+        if config.init_from and self.resumed_from is None:  # a resume restores its own weights
+            load_hf_weights(self.model, Path(config.init_from).expanduser())
+            log.info(f"weights from {config.init_from}")
         comm_hook = self.tricks.comm_hook()
         if train.log_grad_consistency:
             check_grad_consistency(self.parallel.mesh.shape, comm_hook.trick if comm_hook else None)
@@ -127,13 +148,14 @@ class Trainer:
         self.watch = LossWatch(train, self.parallel.is_main)
         self.step = 0
         self.checkpointer = Checkpointer(run_dir / "checkpoints", rank, world, config.ckpt.keep_last)
-        self.resumed_from = resolve_resume(config.resume, run_dir)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
         elif self.parallel.is_main:  # a fresh start: lines a previous attempt logged are not this run's
             drop_metrics_after(run_dir / "metrics.jsonl", 0)
         if self.parallel.is_main:
             self.checkpointer.warn_if_space_is_short(self.model, self.resumed_from)
+            # For export, once nothing in the set-up can fail (a failed start leaves no folder).
+            save_tokenizer(self.data.tokenizer, run_dir)
 
     def _meta(self) -> dict[str, Any]:
         fingerprint = run_fingerprint(self.config.model, self.tricks.names, self.parallel.world_size)
@@ -168,7 +190,9 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         # The model computes the fp32 cross-entropy itself (see its forward).
         with self.autocast:
-            return self.wrapped_model(inputs, targets, reduction=reduction)
+            return self.wrapped_model(
+                inputs, targets, reduction=reduction, mtp_loss_weight=self.config.train.mtp_loss_weight
+            )
 
     def _batch(self, indices: torch.Tensor, split) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = get_batch(split, indices, self.config.train.seq_len)
@@ -185,7 +209,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        loss_sum = 0.0
+        loss_sum, side_sums = 0.0, {}
         weights = self.tricks.micro_batch_weights(self.step, train.grad_accum)
         # On a step that logs it, the gradients are averaged by hand after backward, next to each rank's own.
         measure_consistency = train.log_grad_consistency and self.cadence.logs(self.step + 1, False, False)
@@ -197,13 +221,18 @@ class Trainer:
                 loss = poison_loss(self.config.fault, self.parallel.info.rank, self.step + 1, loss)
                 (loss * weight).backward()
             loss_sum += loss.item() * weight
-        figures = self.model.balance_loss_figures()  # this rank's last micro-batch; {} when off
+            for name, value in self.model.loss_figures().items():  # MTP and balance losses, where on
+                side_sums[name] = side_sums.get(name, 0.0) + value * weight
+        figures = {}
         if measure_consistency:
             figures["grad_consistency"] = self.parallel.average_gradients_with_consistency(list(self.model.parameters()))
 
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm)
-        check = self.watch.agree(self.parallel, loss_sum / sum(weights), grad_norm, stop.votes() if stop else [])
+        total_weight = sum(weights)
+        side_losses = {name: value / total_weight for name, value in side_sums.items()}
+        check = self.watch.agree(self.parallel, loss_sum / total_weight, grad_norm, stop.votes() if stop else [],
+                                 side_losses)
         verdict = self.watch.judge(self.step + 1, check)
         if verdict == "apply":
             self.optimizer.step()
@@ -216,7 +245,7 @@ class Trainer:
             raise RunFailed(self._nonfinite_message(check, lr))
         self.step += 1
         return {"loss": check.loss, "lr": lr, "grad_norm": check.grad_norm, "moe_imbalance": moe_imbalance,
-                "applied": verdict == "apply", "stop_signal": check.stop_signal, **figures}
+                "applied": verdict == "apply", "stop_signal": check.stop_signal, **check.side_losses, **figures}
 
     def _nonfinite_message(self, check: StepCheck, lr: float) -> str:
         """Why the run stops, and how to continue from the last checkpoint that is good."""
@@ -256,7 +285,19 @@ class Trainer:
         """Train to `train.max_steps` (or a stop signal); returns the run's summary."""
         self._log_start()
         is_main = self.parallel.is_main
-        metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None)
+        trackers = Trackers.open(self.config.logger, self.run_dir, self.step, self.config) if is_main else None
+        metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None, trackers)
+        try:
+            summary = self._train(metrics)
+        except BaseException:
+            metrics.close(failed=True)  # so a tracker's run ends marked failed, not left running
+            raise
+        metrics.close()
+        return summary
+
+    def _train(self, metrics: MetricsFile) -> dict[str, Any]:
+        """`fit`'s loop, logging to `metrics`."""
+        is_main = self.parallel.is_main
         throughput = Throughput(self.tokens_per_step)
         losses_since_log: list[float] = []  # mean over ranks of each applied step's loss
         last_val, last_logged_loss, stopped_by = float("nan"), float("nan"), None
@@ -293,7 +334,6 @@ class Trainer:
                 if stopped_by:
                     break
                 inject_fault(self.config.fault, self.parallel.info.rank, self.step)
-        metrics.close()
         self.tricks.close()
         run = {
             "stopped_by": stopped_by,
@@ -302,7 +342,7 @@ class Trainer:
             "tokens_per_s": throughput.run_rate(),
             "wall_s": throughput.elapsed_s(),
         }
-        return self._finish(run)
+        return self._finish(run, metrics)
 
     def _record(self, figures: dict[str, float], losses_since_log: list[float], throughput: Throughput,
                 val_loss: float | None, saving: bool) -> dict[str, Any]:
@@ -314,7 +354,7 @@ class Trainer:
             "lr": figures["lr"],
             "grad_norm": figures["grad_norm"],
             "moe_imbalance": figures["moe_imbalance"],
-            **{key: figures[key] for key in ("aux_loss", "seq_aux_loss") if key in figures},
+            **{key: figures[key] for key in ("mtp_loss", "aux_loss", "seq_aux_loss") if key in figures},
             **({"grad_consistency": figures["grad_consistency"]} if "grad_consistency" in figures else {}),
             "tokens_per_s": throughput.window_rate(),
             "elapsed_s": throughput.elapsed_s(),
@@ -326,13 +366,15 @@ class Trainer:
 
     def _log_start(self) -> None:
         n_params, n_active = count_parameters(self.model)
+        n_mtp, _ = count_mtp_parameters(self.model)
+        mtp = f" + {n_mtp:,} in {self.config.model.n_mtp_layers} MTP depth(s)" if n_mtp else ""
         log.info(
-            f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active) on {self.device} "
+            f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active){mtp} on {self.device} "
             f"({torch.get_num_threads()} threads); "
             f"data {self.data.description}: {len(self.data.train):,} train / {len(self.data.val):,} val tokens"
         )
 
-    def _finish(self, run: dict[str, Any]) -> dict[str, Any]:
+    def _finish(self, run: dict[str, Any], metrics: MetricsFile) -> dict[str, Any]:
         """Check that the replicas agree, then write the summary of the `run`'s figures
         (unless a signal stopped it)."""
         checksum = param_checksum(self.model)
@@ -350,6 +392,7 @@ class Trainer:
             "trick_params": self.tricks.resolved_params(),
             "n_params": n_params,
             "n_active_params": n_active,
+            "n_mtp_params": count_mtp_parameters(self.model)[0],
             "param_checksum": checksum,
             "model": self.config.model.name,
             "kernels": self.config.model.kernels,
@@ -367,16 +410,24 @@ class Trainer:
             )
         elif self.parallel.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)
+            metrics.write_summary(summary)
             log.info("summary " + json.dumps(summary))
         return summary
 
     def sample(self) -> str | None:
-        """Text generated from the configured prompt; None when tokens are not bytes or none
-        are asked, or when sampling fails: a finished run never fails on its sample."""
-        if self.config.data.name == "tokens" or self.config.sample.max_new_tokens == 0:
+        """Text generated from the configured prompt through the run's tokenizer; None when
+        none is asked, when pre-tokenized data has no tokenizer to read it (data.tokenizer),
+        or when sampling fails: a finished run never fails on its sample."""
+        unreadable = self.config.data.name == "tokens" and self.config.data.tokenizer == "bytes"
+        if unreadable or self.config.sample.max_new_tokens == 0:
             return None
         cfg = self.config.sample
-        prompt = torch.tensor([list(cfg.prompt.encode("utf-8"))], dtype=torch.long, device=self.device)
+        tokenizer = self.data.tokenizer
+        ids = tokenizer.encode(cfg.prompt)
+        if not ids:
+            log.warning(f"no sample: the prompt {cfg.prompt!r} encodes to no token")
+            return None
+        prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         try:
             with self.autocast:
@@ -384,4 +435,4 @@ class Trainer:
         except RuntimeError as err:  # e.g. weights whose logits overflow: no distribution to sample from
             log.warning(f"no sample: {first_line(err)}")
             return None
-        return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+        return tokenizer.decode(out[0].tolist())

@@ -8,6 +8,11 @@ process, so machine noise lands on both sides and their ratio is the trainer's o
     python scripts/bench.py [--model small] [--steps 20] [--rounds 3] [--batch-size 8]
                             [--seq-len 256] [--precision fp32|bf16] [--json OUT]
                             [--device cpu|cuda] [--override KEY=VALUE ...]
+                            [--mtp-depths N]
+
+`--mtp-depths N` adds a side-by-side comparison of the bare loop without multi-token
+prediction and with N MTP depths (`model.n_mtp_layers`), in alternating rounds, with the
+FLOPs per token each counts.
 """
 
 from __future__ import annotations
@@ -119,12 +124,53 @@ def bare_tokens_per_s(config: Config, steps: int) -> float:
     tic = time.perf_counter()
     for _ in range(steps):
         with autocast:
-            loss = model(inputs, targets)  # fp32 cross-entropy over chunks of tokens, as in the trainer
+            # fp32 cross-entropy over chunks of tokens, and the MTP depths' where on, as in the trainer
+            loss = model(inputs, targets, mtp_loss_weight=config.train.mtp_loss_weight)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     sync()
     return batch * seq * steps / (time.perf_counter() - tic)
+
+
+def mtp_side_by_side(args: argparse.Namespace, config: Config) -> dict:
+    """Bare-loop tokens/s without MTP and with `args.mtp_depths` depths, in alternating rounds."""
+    sides = {
+        "off": compose_config(argparse.Namespace(**{**vars(args), "override": [*args.override, "model.n_mtp_layers=0"]})),
+        "on": compose_config(
+            argparse.Namespace(**{**vars(args), "override": [*args.override, f"model.n_mtp_layers={args.mtp_depths}"]})
+        ),
+    }
+    figures = {}
+    for name, side in sides.items():
+        with torch.device("meta"):
+            figures[name] = {"flops_per_token": training_flops_per_token(Transformer(side.model), args.seq_len),
+                             "tokens_per_s": []}
+        bare_tokens_per_s(side, WARMUP_STEPS)
+    for i in range(args.rounds):
+        for name, side in sides.items():
+            figures[name]["tokens_per_s"].append(bare_tokens_per_s(side, args.steps))
+        progress.print(f"MTP round {i + 1}/{args.rounds}: " + ", ".join(
+            f"{name} {figures[name]['tokens_per_s'][-1]:,.0f} tok/s" for name in sides))
+    for side in figures.values():
+        side["median_tokens_per_s"] = statistics.median(side["tokens_per_s"])
+    figures["depths"] = args.mtp_depths
+    figures["tokens_per_s_ratio"] = figures["on"]["median_tokens_per_s"] / figures["off"]["median_tokens_per_s"]
+    figures["flops_ratio"] = figures["on"]["flops_per_token"] / figures["off"]["flops_per_token"]
+    return figures
+
+
+def mtp_table(figures: dict, peak_flops: float) -> Table:
+    table = Table(title=f"bare loop without MTP and with {figures['depths']} depth(s), alternating rounds")
+    for column in ("MTP", "FLOPs / token", "tokens/s (median)", "MFU"):
+        table.add_column(column, justify="right")
+    for name in ("off", "on"):
+        side = figures[name]
+        mfu = side["median_tokens_per_s"] * side["flops_per_token"] / peak_flops
+        table.add_row(name, f"{side['flops_per_token'] / 1e6:,.2f} M", f"{side['median_tokens_per_s']:,.0f}",
+                      f"{mfu:.1%}")
+    table.add_row("on / off", f"{figures['flops_ratio']:.3f}", f"{figures['tokens_per_s_ratio']:.3f}", "")
+    return table
 
 
 def cpu_model() -> str:
@@ -147,6 +193,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--mtp-depths", type=int, default=0,
+                        help="also time the bare loop with this many MTP depths against none, side by side")
     parser.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE",
         help="a config override for both sides, e.g. model.dim=1024 (repeatable; applied last)",
@@ -238,6 +286,9 @@ def main() -> None:
     console = results_console()
     console.print(summary)
     console.print(per_round)
+    if args.mtp_depths:
+        results["mtp"] = mtp_side_by_side(args, config)
+        console.print(mtp_table(results["mtp"], peak_flops))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 

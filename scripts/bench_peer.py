@@ -57,6 +57,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import matmul_peak as square_peaks, results_console  # this script's folder is on sys.path
+from ciuic_train.errors import UserError
+from ciuic_train.hf import config_json
 from ciuic_train.model import ModelConfig, Transformer, count_parameters
 from ciuic_train.model.deepseek import training_flops_per_token
 
@@ -77,40 +79,13 @@ def peer_model(cfg: ModelConfig, experts: str) -> torch.nn.Module:
     """transformers' DeepseekV3ForCausalLM with exactly our shape; `experts` is eager or grouped_mm."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.dim,
-        intermediate_size=cfg.dense_ffn_dim,
-        moe_intermediate_size=cfg.moe_ffn_dim,
-        num_hidden_layers=cfg.n_layers,
-        first_k_dense_replace=cfg.n_dense_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_heads,
-        q_lora_rank=cfg.q_lora_rank or None,
-        kv_lora_rank=cfg.kv_lora_rank,
-        qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim,
-        n_routed_experts=cfg.n_routed_experts,
-        num_experts_per_tok=cfg.n_activated_experts,
-        n_shared_experts=cfg.n_shared_experts,
-        n_group=cfg.n_expert_groups,
-        topk_group=cfg.n_limited_groups,
-        norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.route_scale,
-        max_position_embeddings=cfg.max_seq_len,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        rope_interleave=True,
-        rms_norm_eps=cfg.norm_eps,
-        initializer_range=cfg.init_std,
-        tie_word_embeddings=cfg.tie_embeddings,
-        attention_dropout=0.0,
-        use_cache=False,
-        attn_implementation="sdpa",
-        experts_implementation=experts,
+    try:  # our config.json (ciuic_train/hf.py), so both models compute the same function
+        fields = config_json(cfg)
+    except UserError as err:
+        raise SystemExit(str(err)) from None
+    config = DeepseekV3Config.from_dict(
+        {**fields, "use_cache": False}, attn_implementation="sdpa", experts_implementation=experts
     )
-    if cfg.score_func != "sigmoid":
-        raise SystemExit("transformers' DeepseekV3 routes with sigmoid scores only")
     model = DeepseekV3ForCausalLM(config)
     assert model.config._experts_implementation == experts, model.config._experts_implementation
     return model

@@ -33,11 +33,11 @@ def make_trainer(run_dir, text_corpus, tmp_path, *overrides):
     return Trainer(compose_config(*TINY, *corpus(text_corpus, tmp_path), *overrides), run_dir)
 
 
-@pytest.mark.parametrize("trick", [None, *sorted(registry())])
-def test_resume_ends_bit_identical_to_an_uninterrupted_run(tmp_path, text_corpus, trick):
-    overrides = ["train.max_steps=10", "train.grad_accum=2", "ckpt.every=3", "train.eval_every=5", "train.log_every=1"]
-    if trick:
-        overrides.append(f"+trick={trick}")
+@pytest.mark.parametrize("extra", [[], ["model.n_mtp_layers=1"], *([f"+trick={name}"] for name in sorted(registry()))],
+                         ids=lambda extra: extra[0] if extra else "plain")
+def test_resume_ends_bit_identical_to_an_uninterrupted_run(tmp_path, text_corpus, extra):
+    overrides = ["train.max_steps=10", "train.grad_accum=2", "ckpt.every=3", "train.eval_every=5", "train.log_every=1",
+                 *extra]
     whole = make_trainer(tmp_path / "whole", text_corpus, tmp_path, *overrides).fit()
 
     interrupted = make_trainer(tmp_path / "cut", text_corpus, tmp_path, *overrides)

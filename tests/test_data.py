@@ -30,7 +30,7 @@ def test_text_corpus_is_cached_and_reused(text_corpus, tmp_path):
     expected = sum(len(p.read_bytes()) + 2 for p in text_corpus.iterdir())
     assert len(splits.train) + len(splits.val) == expected
     assert splits.vocab_size == 256 and int(splits.train.max()) < 256
-    (cached,) = (tmp_path / "cache").iterdir()
+    (cached,) = cache_entries(tmp_path / "cache")
     before = (cached / "train.bin").stat().st_mtime_ns
     again = load_tokens(cfg)
     assert (cached / "train.bin").stat().st_mtime_ns == before
@@ -39,7 +39,12 @@ def test_text_corpus_is_cached_and_reused(text_corpus, tmp_path):
     victim = next(text_corpus.iterdir())
     victim.write_text(victim.read_text() + "more\n")
     load_tokens(cfg)
-    assert len(list((tmp_path / "cache").iterdir())) == 2
+    assert len(cache_entries(tmp_path / "cache")) == 2
+
+
+def cache_entries(cache):
+    """The entries of a corpus cache (hidden files are its locks)."""
+    return [p for p in cache.iterdir() if not p.name.startswith(".")]
 
 
 def test_single_text_file_holds_out_its_tail(tmp_path):

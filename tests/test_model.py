@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from ciuic_train.model import ModelConfig, Transformer, count_parameters, generate
+from ciuic_train.hf import config_json, exported_names
+from ciuic_train.model import ModelConfig, Transformer, count_mtp_parameters, count_parameters, generate
 from ciuic_train.model.config import IMPLEMENTATION_FIELDS
 from ciuic_train.model.deepseek import (
     REFERENCE,
@@ -628,61 +629,17 @@ def test_rope_scaling_none_keeps_the_plain_tables_and_softmax_scale_bit_identica
 
 
 def transformers_twin(model: Transformer):
-    """transformers' DeepseekV3ForCausalLM with `model`'s shape, RoPE and weights, eager throughout."""
+    """transformers' DeepseekV3ForCausalLM with `model`'s shape, RoPE and weights, eager throughout,
+    through the names and config.json of ciuic_train/hf.py."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    cfg = model.config
-    assert cfg.score_func == "sigmoid", "transformers' DeepseekV3 routes with sigmoid scores only"
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling == "yarn":
-        rope = {
-            "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
-            "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
-            "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
-        }
-    config = transformers.DeepseekV3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.dense_ffn_dim,
-        moe_intermediate_size=cfg.moe_ffn_dim, num_hidden_layers=cfg.n_layers,
-        first_k_dense_replace=cfg.n_dense_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_heads, q_lora_rank=cfg.q_lora_rank or None,
-        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.n_activated_experts,
-        n_shared_experts=cfg.n_shared_experts, n_group=cfg.n_expert_groups, topk_group=cfg.n_limited_groups,
-        norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.route_scale,
-        max_position_embeddings=cfg.max_seq_len, rope_parameters=rope, rope_interleave=True,
-        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0,
-        use_cache=False, attn_implementation="eager", experts_implementation="eager",
+    assert model.config.score_func == "sigmoid", "transformers' DeepseekV3 routes with sigmoid scores only"
+    config = transformers.DeepseekV3Config.from_dict(
+        {**config_json(model.config), "use_cache": False},
+        attn_implementation="eager", experts_implementation="eager",
     )
-    state = {
-        "model.embed_tokens.weight": model.tok_embeddings.weight,
-        "model.norm.weight": model.norm.weight,
-        "lm_head.weight": model.lm_head.weight,
-    }
-    for i, layer in enumerate(model.layers):
-        ours = {
-            "input_layernorm": layer.attn_norm, "post_attention_layernorm": layer.ffn_norm,
-            "self_attn.kv_a_proj_with_mqa": layer.attn.wkv_a, "self_attn.kv_a_layernorm": layer.attn.kv_norm,
-            "self_attn.kv_b_proj": layer.attn.wkv_b, "self_attn.o_proj": layer.attn.wo,
-        }
-        if layer.attn.compress_q:
-            ours |= {"self_attn.q_a_proj": layer.attn.wq_a, "self_attn.q_a_layernorm": layer.attn.q_norm,
-                     "self_attn.q_b_proj": layer.attn.wq_b}
-        else:
-            ours["self_attn.q_proj"] = layer.attn.wq
-        ffn = layer.ffn
-        if isinstance(ffn, MoE):
-            ours |= {"mlp.gate": ffn.gate, "mlp.shared_experts.gate_proj": ffn.shared_experts.w1,
-                     "mlp.shared_experts.up_proj": ffn.shared_experts.w3,
-                     "mlp.shared_experts.down_proj": ffn.shared_experts.w2}
-            state[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = ffn.expert_bias
-            state[f"model.layers.{i}.mlp.experts.gate_up_proj"] = ffn.w13
-            state[f"model.layers.{i}.mlp.experts.down_proj"] = ffn.w2
-        else:
-            ours |= {"mlp.gate_proj": ffn.w1, "mlp.up_proj": ffn.w3, "mlp.down_proj": ffn.w2}
-        state |= {f"model.layers.{i}.{name}.weight": module.weight for name, module in ours.items()}
+    state = model.state_dict()
     twin = transformers.DeepseekV3ForCausalLM(config).eval()
-    twin.load_state_dict(state, strict=True)
+    twin.load_state_dict({theirs: state[ours] for theirs, ours in exported_names(model).items()}, strict=True)
     return twin
 
 
@@ -822,7 +779,7 @@ def test_balance_losses_change_the_gradient_not_the_returned_loss():
     assert torch.equal(loss, weighted_loss)  # the LM loss, bit for bit
     assert all(moe.balance_loss == {} for moe in plain.moe_layers().values())  # off: nothing computed
     balance = sum(term for moe in weighted.moe_layers().values() for term in moe.balance_loss.values())
-    figures = weighted.balance_loss_figures()
+    figures = weighted.loss_figures()
     assert set(figures) == {"aux_loss", "seq_aux_loss"}
     assert sum(figures.values()) == pytest.approx(balance.item())
     loss.backward()
@@ -835,4 +792,101 @@ def test_balance_losses_change_the_gradient_not_the_returned_loss():
     assert torch.equal(weighted.lm_head.weight.grad, plain.lm_head.weight.grad)
     weighted.eval()
     weighted(idx, idx)
-    assert weighted.balance_loss_figures() == figures  # evaluation forwards leave them alone
+    assert weighted.loss_figures() == figures  # evaluation forwards leave them alone
+
+
+# --- Multi-token prediction -------------------------------------------------------------------
+
+
+def written_out_mtp_loss(model: Transformer, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's MTP (report, eq. 21-25), spelled out: depth k joins RMSNorm(h^{k-1}_i) with
+    RMSNorm(Emb(t_{i+k})), projects, runs its block, and scores t_{i+k+1} with the shared head."""
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.config.norm_eps) * weight
+
+    seq = idx.shape[1]
+    h = norm(model.trunk(idx), model.norm.weight)  # what the main head scores
+    losses = []
+    for k, depth in enumerate(model.mtp, start=1):
+        joined = torch.cat([norm(model.tok_embeddings.weight[idx[:, k:]], depth.enorm.weight),
+                            norm(h[:, : seq - k], depth.hnorm.weight)], dim=-1)
+        h = depth.block(joined @ depth.eh_proj.weight.T, model.rope_cos[: seq - k], model.rope_sin[: seq - k])
+        logits = norm(h, depth.norm.weight) @ model.lm_head.weight.T
+        losses.append(F.cross_entropy(logits.flatten(0, 1), targets[:, k:].flatten()))
+    return sum(losses) / len(losses)
+
+
+def test_mtp_loss_and_its_gradient_equal_the_written_out_reference():
+    model = tiny_model(seed=0, n_mtp_layers=2, kernels="reference")
+    torch.manual_seed(1)
+    with torch.no_grad():  # norms that differ, so that swapping two of them shows
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.uniform_(0.5, 1.5)
+    idx = torch.randint(0, 256, (2, 24))
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    weight = 0.3
+    returned = model(inputs, targets, mtp_loss_weight=weight)
+    reference_mtp = written_out_mtp_loss(model, inputs, targets)
+    assert model.loss_figures()["mtp_loss"] == pytest.approx(reference_mtp.item(), rel=1e-6)
+    main = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    assert returned.item() == pytest.approx(main.item(), rel=1e-6)  # the value stays the next-token loss
+
+    params = [p for p in model.parameters()]
+    grads = torch.autograd.grad(returned, params, allow_unused=True)
+    expected = torch.autograd.grad(main + weight * reference_mtp, params, allow_unused=True)
+    for (name, _), grad, want in zip(model.named_parameters(), grads, expected):
+        if want is None:
+            assert grad is None or not grad.any(), name
+        else:
+            torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_mtp_gradients_reach_its_block_and_the_shared_head_and_embedding():
+    torch.manual_seed(1)
+    idx = torch.randint(0, 256, (2, 24))
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    plain, predicting = tiny_model(seed=0), tiny_model(seed=0, n_mtp_layers=1)
+    plain(inputs, targets).backward()
+    predicting(inputs, targets, mtp_loss_weight=0.3).backward()
+    depth = predicting.mtp[0]
+    for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight", "block.attn.wkv_a.weight",
+                 "block.ffn.gate.weight", "block.ffn.shared_experts.w1.weight"):
+        assert depth.get_parameter(name).grad.abs().max() > 0, name
+    for shared in ("lm_head.weight", "tok_embeddings.weight", "layers.0.attn.wo.weight"):
+        ours, theirs = predicting.get_parameter(shared).grad, plain.get_parameter(shared).grad
+        assert not torch.allclose(ours, theirs), shared  # the MTP loss reaches the shared weights too
+
+
+def test_mtp_leaves_the_main_model_its_weights_loss_and_samples():
+    """Turning MTP on changes neither the main model's first weights nor its next-token loss,
+    and generation never runs the MTP depths."""
+    plain, predicting = tiny_model(seed=0), tiny_model(seed=0, n_mtp_layers=2)
+    main = plain.state_dict()
+    assert all(torch.equal(predicting.state_dict()[name], value) for name, value in main.items())
+    assert {name.split(".")[0] for name in predicting.state_dict().keys() - main.keys()} == {"mtp"}
+    torch.manual_seed(1)
+    idx = torch.randint(0, 256, (2, 24))
+    assert torch.equal(plain(idx[:, :-1], idx[:, 1:]), predicting(idx[:, :-1], idx[:, 1:], mtp_loss_weight=0.3))
+    predicting.eval()
+    calls = []
+    predicting.mtp[0].register_forward_hook(lambda *_: calls.append(1))
+    first = generate(plain, idx[:1, :4], 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(generate(predicting, idx[:1, :4], 8, generator=torch.Generator().manual_seed(0)), first)
+    predicting(idx[:, :-1], idx[:, 1:])  # evaluation: the next-token loss only
+    assert calls == []
+
+
+def test_mtp_parameters_and_flops_are_counted_apart():
+    plain, predicting = tiny_model(n_mtp_layers=0), tiny_model(n_mtp_layers=1)
+    assert count_parameters(predicting) == count_parameters(plain)
+    total, active = count_mtp_parameters(predicting)
+    assert total == sum(p.numel() for p in predicting.mtp.parameters())
+    cfg = predicting.config
+    idle = (cfg.n_routed_experts - cfg.n_activated_experts) * 3 * cfg.moe_ffn_dim * cfg.dim
+    assert active == total - idle
+    head = cfg.vocab_size * cfg.dim
+    attention = 6 * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * 256
+    added = training_flops_per_token(predicting, 256) - training_flops_per_token(plain, 256)
+    assert added == 6 * (active + head) + attention

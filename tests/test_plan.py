@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from ciuic_train.config import to_config
 from ciuic_train.errors import UserError
-from ciuic_train.model import Transformer, count_parameters
+from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters
 from ciuic_train.plan import GIB, plan_figures
 from conftest import run_cli, torchrun, write_text_corpus
 
@@ -90,7 +90,7 @@ def saved_tensor_bytes(config) -> int:
     batch, seq = config.train.batch_size, config.train.seq_len
     idx = torch.randint(0, config.model.vocab_size, (batch, seq))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(idx, idx)
+        loss = model(idx, idx, mtp_loss_weight=config.train.mtp_loss_weight)
     storages = {}
     for ref in packed:
         t = ref()
@@ -107,6 +107,7 @@ def saved_tensor_bytes(config) -> int:
         ["model=tiny", "train.batch_size=3", "train.seq_len=100"],  # a short last attention block
         ["model=small", "train.batch_size=2", "train.seq_len=96", "model.q_lora_rank=48"],  # query compression
         ["model=small", "train.batch_size=2", "train.seq_len=64", "model.n_expert_groups=4", "model.n_limited_groups=2"],
+        ["model=tiny", "train.batch_size=3", "train.seq_len=100", "model.n_mtp_layers=2"],  # two MTP depths
     ],
 )
 def test_activation_formula_counts_the_saved_tensors_in_fp32_on_cpu(one_thread, overrides):
@@ -124,7 +125,8 @@ def test_deepseek_v3_on_256_nodes_with_ep_64_by_hand():
     config = compose_config(*V3_ON_2048, "dist.dp_shard=256", "dist.ep=64")
     f = plan_figures(config)
     m = config.model
-    n_moe = m.n_layers - m.n_dense_layers
+    assert m.n_mtp_layers == 1
+    n_moe = m.n_layers - m.n_dense_layers + 1  # the MTP depth's block is an MoE layer too
     assert f["world_size"] == 2048
     assert f["mesh"] == {"dp_replicate": 8, "dp_shard": 256, "ep": 64, "efsdp": 4, "strategy": "hsdp"}
     mem = f["memory"]
@@ -132,18 +134,21 @@ def test_deepseek_v3_on_256_nodes_with_ep_64_by_hand():
     assert mem["params"]["experts"] == 4 * experts
     assert mem["grads"] == mem["params"]
     assert mem["optimizer"] == {key: 2 * value for key, value in mem["params"].items()}
-    total, _ = count_parameters(_meta(config))
+    model = _meta(config)
+    assert count_parameters(model)[0] + count_mtp_parameters(model)[0] == sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
     dense = total - n_moe * m.n_routed_experts * expert_params(m)
-    # Padding: e.g. wkv_a's 576 rows are 3 per rank, not 2.25 (61 x 192 x 7168 extra elements over 256 ranks).
-    padding = 4 * 61 * (3 * 256 - 576) * m.dim // 256
+    # Padding: e.g. wkv_a's 576 rows are 3 per rank, not 2.25 (62 x 192 x 7168 extra elements over 256 ranks).
+    padding = 4 * 62 * (3 * 256 - 576) * m.dim // 256
     assert 4 * dense / 256 + padding <= mem["params"]["other"] <= (4 * dense / 256 + padding) * 1.001
     # The root gathers the embedding, the lm head and the final norm, in bf16; it is the largest unit.
     assert mem["root_all_gather"] == 2 * (2 * m.vocab_size * m.dim + 256 * math.ceil(m.dim / 256))
     assert mem["largest_block_all_gather"] < mem["root_all_gather"]
-    # EP: 2 exchanges x 2 directions x tokens x top-k x dim x bf16 x 63/64, per MoE layer.
-    tokens = 4096
-    assert f["comm"]["all_to_all"] == n_moe * (
+    # EP: 2 exchanges x 2 directions x tokens x top-k x dim x bf16 x 63/64, per MoE layer (the
+    # MTP depth's routes the 4095 positions that have a token two ahead).
+    assert f["comm"]["all_to_all"] == sum(
         2 * 2 * tokens * m.n_activated_experts * m.dim * 2 * 63 // 64 + 8 * m.n_routed_experts * 63 // 64
+        for tokens in [4096] * (n_moe - 1) + [4095]
     )
     stored = sum(mem["params"].values()) // 4
     assert f["comm"]["all_reduce"]["hsdp_replicas"] == 2 * 7 * 4 * stored // 8
@@ -204,7 +209,9 @@ def test_activation_checkpointing_keeps_block_inputs_only():
     f = plan_figures(config)
     acts = f["memory"]["activations"]
     m = config.model
-    assert acts["ac"] == acts["top"] + m.n_layers * 4096 * m.dim * 2 + 2 * max(acts["dense_block"], acts["moe_block"])
+    # The main blocks' inputs, and the MTP block's (4095 positions).
+    block_inputs = (m.n_layers * 4096 + 4095) * m.dim * 2
+    assert acts["ac"] == acts["top"] + block_inputs + 2 * max(acts["dense_block"], acts["moe_block"])
     widths = f["widths"]
     assert widths == {"residual": 2, "activation": 2, "gather": 2}  # bf16 under FSDP2 on CUDA
     fp32 = compose_config(*V3_ON_2048, "dist.dp_shard=256", "dist.ep=64", "precision=fp32")

@@ -18,8 +18,9 @@ from ciuic_train.errors import UserError
 from ciuic_train.mesh import MeshShape, resolve_mesh
 
 STEPS = 20
+# With one multi-token-prediction depth: a sharded unit of its own, with its own MoE layer.
 COMMON = [
-    "model=tiny", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain",
+    "model=tiny", "model.n_mtp_layers=1", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain",
     f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=10", "ckpt.every=10",
 ]
 
@@ -139,6 +140,7 @@ def assert_same_training(run_dir: Path, single: Path, tmp: Path) -> None:
     ours, reference = metrics(run_dir), metrics(single)
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in reference], rel=1e-4)
+    assert [m["mtp_loss"] for m in ours] == pytest.approx([m["mtp_loss"] for m in reference], rel=1e-4)
     # The global per-expert token counts drive the balancing bias and the imbalance figure.
     assert [m["moe_imbalance"] for m in ours] == [m["moe_imbalance"] for m in reference]
     weights, expected = final_weights(run_dir, tmp), final_weights(single, tmp)

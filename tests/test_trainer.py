@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +12,7 @@ from ciuic_train.config import Precision
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
 from ciuic_train.config import DecayShape, Schedule
+from ciuic_train.loop import Throughput
 from ciuic_train.optim import LrSchedule, build_optimizer
 from ciuic_train.parallel import param_checksum
 from ciuic_train.trainer import Trainer
@@ -75,6 +77,52 @@ def test_the_deepseek_v3_preset_is_the_published_curve():
     assert 9990 <= schedule.decay_start <= 10010
     assert schedule(14799) == pytest.approx(2.2e-5, rel=1e-3)
     assert compose_config("optim=deepseek_v3", "train.lr=1e-3").train.lr == 1e-3  # overridable
+
+
+def test_step_schedule_multiplies_at_its_fractions():
+    schedule = LrSchedule(peak=1.0, warmup_steps=10, total_steps=200, min_ratio=0.1, kind=Schedule.step,
+                          step_fractions=(0.8, 0.9), step_factor=0.5)
+    assert schedule.drops == [160, 180]
+    assert schedule(0) == pytest.approx(0.1) and schedule(10) == 1.0 and schedule(159) == 1.0
+    assert schedule(160) == 0.5 and schedule(179) == 0.5 and schedule(180) == 0.25 and schedule(500) == 0.25
+
+
+def test_the_deepseek_v2_lite_preset_is_the_published_curve():
+    """Report appendix B.1: 2K warmup steps to 4.2e-4, x 0.316 after 80% and again after 90% of the tokens."""
+    config = compose_config("optim=deepseek_v2_lite", "train.max_steps=10000")
+    schedule = LrSchedule.from_config(config.optim, config.train.lr, config.train.warmup_steps, 10000)
+    assert (config.optim.beta1, config.optim.beta2, config.optim.weight_decay, config.train.grad_clip) == (
+        0.9, 0.95, 0.1, 1.0)
+    assert schedule(999) == pytest.approx(4.2e-4 / 2) and schedule(7999) == pytest.approx(4.2e-4)
+    assert schedule(8000) == pytest.approx(4.2e-4 * 0.316) and schedule(9000) == pytest.approx(4.2e-4 * 0.316**2)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.step_fractions=[0.9,0.8]", "optim.step_fractions=[0.9, 0.8] must rise strictly"),
+    ("optim.step_fractions=[0.5,1.5]", "each between 0 and 1"),
+    ("optim.step_factor=0", "optim.step_factor=0.0 must be above 0"),
+    ("train.mtp_loss_weight=-1", "train.mtp_loss_weight=-1.0 must be positive"),
+])
+def test_bad_schedule_and_mtp_settings_are_user_errors(override, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        compose_config(override)
+
+
+def test_mtp_needs_a_weight_and_a_sequence_longer_than_its_depths():
+    with pytest.raises(UserError, match=re.escape("train.mtp_loss_weight=0.0 must be positive with model.n_mtp_layers=1")):
+        compose_config("model=tiny", "model.n_mtp_layers=1", "train.mtp_loss_weight=0")
+    with pytest.raises(UserError, match=re.escape("train.seq_len=2 must exceed model.n_mtp_layers=2")):
+        compose_config("model=tiny", "model.n_mtp_layers=2", "train.seq_len=2")
+
+
+def test_mtp_loss_is_logged_beside_the_next_token_loss(tmp_path, text_corpus):
+    plain = _first_step_grads(tiny_trainer(tmp_path / "a", text_corpus, "train.grad_clip=0"))
+    trainer = tiny_trainer(tmp_path / "b", text_corpus, "train.grad_clip=0", "model.n_mtp_layers=1")
+    figures = trainer.train_step()
+    assert figures["loss"] == plain[0]  # the same first weights, the same next-token loss
+    assert 0 < figures["mtp_loss"] < 2 * figures["loss"]
+    record = trainer._record(figures, [figures["loss"]], Throughput(1), None, False)
+    assert record["mtp_loss"] == figures["mtp_loss"]
 
 
 def test_a_run_resumed_mid_decay_continues_the_same_lr_curve(tmp_path, text_corpus, one_thread):

@@ -2,8 +2,8 @@
 
 from ciuic_train.model.config import ModelConfig
 
-__all__ = ["ModelConfig", "Transformer", "count_parameters", "generate"]
-_IN_DEEPSEEK = {"Transformer", "count_parameters", "generate"}
+__all__ = ["ModelConfig", "Transformer", "count_mtp_parameters", "count_parameters", "generate"]
+_IN_DEEPSEEK = {"Transformer", "count_mtp_parameters", "count_parameters", "generate"}
 
 
 def __getattr__(name: str):

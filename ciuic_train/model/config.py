@@ -55,6 +55,10 @@ class ModelConfig:
     # gradient only: the loss the model returns and the trainer logs stays the LM loss.
     aux_loss_alpha: float = 0.0
     seq_aux_loss_alpha: float = 0.0
+    # Multi-token prediction (DeepSeek-V3): this many extra depths, depth k predicting the
+    # token k + 1 ahead through one more block and the shared head, in training only; their
+    # mean loss joins the gradient weighted by train.mtp_loss_weight. 0: off.
+    n_mtp_layers: int = 0
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     # RoPE context extension. none: plain RoPE. yarn: YaRN (arXiv 2309.00071) as the Hugging
@@ -90,7 +94,7 @@ class ModelConfig:
                 raise ValueError(f"model.{field}={getattr(self, field)} must be positive")
         zero_or_more = (
             "n_dense_layers q_lora_rank n_shared_experts bias_update_rate rope_mscale rope_mscale_all_dim"
-            " aux_loss_alpha seq_aux_loss_alpha"
+            " aux_loss_alpha seq_aux_loss_alpha n_mtp_layers"
         ).split()
         for field in zero_or_more:
             if getattr(self, field) < 0:

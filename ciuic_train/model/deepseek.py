@@ -1,8 +1,9 @@
 """A DeepSeek-V2/V3 style decoder: Multi-head Latent Attention plus DeepSeekMoE, in plain PyTorch.
 
 Read top to bottom: RMSNorm, RoPE, causal attention and MLA, the dense SwiGLU, the MoE
-(routing, then the routed experts as one grouped matmul per projection), the block, the
-loss and the model, then parameter and FLOP counting and sampling.
+(routing, then the routed experts as one grouped matmul per projection), the block,
+multi-token prediction, the loss and the model, then parameter and FLOP counting and
+sampling.
 
 Most of a training step's time goes to four computations: the norms, the attention, the
 routed experts and the loss. Each is one plain function here (`rms_norm`,
@@ -413,6 +414,44 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+# --- Multi-token prediction ---------------------------------------------------------------
+
+
+class MultiTokenPrediction(nn.Module):
+    """One depth of DeepSeek-V3's multi-token prediction (report section 2.2, arXiv:2412.19437).
+
+    Depth k predicts the token k + 1 ahead: at position i it joins the previous depth's
+    hidden state h_i (RMSNorm) with the embedding of token i + k (RMSNorm), projects the
+    pair 2 dim -> dim, runs one transformer block, and hands the result to the main
+    model's output head through its own final norm. The embedding and the head are the
+    main model's (shared, not copied). Names follow DeepSeek's released checkpoints
+    (enorm, hnorm, eh_proj; `norm` is their shared_head.norm), and so does the order of
+    the pair, embedding first, so released MTP weights mean the same here.
+    """
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        # MoE like the main model's later layers (V3's MTP block is an MoE layer).
+        self.block = Block(cfg, use_moe=cfg.n_dense_layers < cfg.n_layers, kernels=kernels)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
+
+    def forward(
+        self, h: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, T', dim] of the previous depth and the embeddings of the tokens k ahead [B, T', dim]
+        -> this depth's hidden states for the next depth, and normalised for the head (both [B, T', dim]).
+
+        Both come out of one call so that FSDP, which gathers a depth's weights for its
+        forward only, finds `norm`'s gathered too.
+        """
+        joined = torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)
+        h = self.block(self.eh_proj(joined), cos, sin)
+        return h, self.norm(h)
+
+
 # --- The loss and the model ---------------------------------------------------------------
 
 
@@ -437,7 +476,8 @@ class Transformer(nn.Module):
     """Token ids [B, T] -> logits [B, T, vocab_size], or with targets the loss (see forward).
 
     Parameter names the trainer relies on: `tok_embeddings` (not weight-decayed) and
-    `lm_head` (decayed like any matrix).
+    `lm_head` (decayed like any matrix). `mtp` holds the multi-token-prediction depths
+    (`model.n_mtp_layers`, none by default); only training forwards run them.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -452,6 +492,12 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
+        # Built without drawing from the global RNG and registered last (init_weights goes in
+        # registration order), so turning MTP on leaves the main model's first weights as they were.
+        with torch.random.fork_rng(devices=[]):
+            self.mtp = nn.ModuleList(MultiTokenPrediction(cfg, self.kernels) for _ in range(cfg.n_mtp_layers))
+        # The mean MTP loss of the last training forward that ran them (`loss_figures`).
+        self.mtp_loss: torch.Tensor | None = None
         # Recomputable from the config, so kept out of checkpoints.
         half_rope = cfg.qk_rope_head_dim // 2
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half_rope), persistent=False)
@@ -486,12 +532,19 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        reduction: str = "mean",
+        mtp_loss_weight: float = 0.0,
     ) -> torch.Tensor:
         """Logits [B, T, vocab], or with `targets` [B, T] the fp32 cross-entropy ("mean" or "sum").
 
         The loss goes through forward so that DDP and FSDP see it. Targets equal to
-        `IGNORE_INDEX` (-100) are ignored, as in `F.cross_entropy`.
+        `IGNORE_INDEX` (-100) are ignored, as in `F.cross_entropy`. In training, the
+        balance losses and, with MTP depths and `mtp_loss_weight` > 0, that weight times the
+        mean MTP loss join the gradient; the value returned stays the next-token loss, so it
+        compares across runs with and without them (`loss_figures` gives the others).
         """
         h = self.norm(self.trunk(idx))  # [B, T, dim]
         if targets is None:
@@ -499,19 +552,45 @@ class Transformer(nn.Module):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         loss = self.kernels.loss(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction)
-        balance = [term for moe in self.moe_layers().values() for term in moe.balance_loss.values()]
-        if self.training and balance:
-            # Their gradient joins the LM loss's; the value returned stays the LM loss.
-            total = torch.stack(balance).sum()
-            loss = loss + (total - total.detach())
+        if not self.training:
+            return loss
+        extra = [term for moe in self.moe_layers(mtp=False).values() for term in moe.balance_loss.values()]
+        if self.mtp and mtp_loss_weight:
+            self.mtp_loss = self.multi_token_loss(h, idx, targets, reduction)
+            extra.append(mtp_loss_weight * self.mtp_loss)
+            extra += [term for moe in self.mtp_moe_layers() for term in moe.balance_loss.values()]
+        if extra:
+            total = torch.stack(extra).sum()
+            loss = loss + (total - total.detach())  # adds their gradient, and exactly 0
         return loss
 
-    def balance_loss_figures(self) -> dict[str, float]:
-        """The weighted balance losses of the last training forward, summed over MoE layers."""
+    def multi_token_loss(
+        self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, reduction: str
+    ) -> torch.Tensor:
+        """The mean over MTP depths of each depth's loss, from the main model's output h [B, T, dim].
+
+        Depth k sees positions 0 .. T-k-1 (a position needs the token k ahead as input and
+        the one k+1 ahead as target): h of the previous depth there (the main model's
+        normalised output for k = 1, as inference engines feed DeepSeek's MTP weights),
+        the tokens idx[:, k:], the targets targets[:, k:].
+        """
+        seq = idx.shape[1]
+        losses = []
+        for k, depth in enumerate(self.mtp, start=1):
+            cos, sin = self.rope_cos[: seq - k], self.rope_sin[: seq - k]
+            h, normed = depth(h[:, : seq - k], self.tok_embeddings(idx[:, k:]), cos, sin)
+            losses.append(self.kernels.loss(normed.flatten(0, 1), self.lm_head.weight, targets[:, k:].flatten(), reduction))
+        return torch.stack(losses).mean()
+
+    def loss_figures(self) -> dict[str, float]:
+        """The last training forward's side losses: the weighted balance losses summed over MoE
+        layers (`aux_loss`, `seq_aux_loss`) and the mean MTP loss (`mtp_loss`), where on."""
         terms: dict[str, list[torch.Tensor]] = {}
         for moe in self.moe_layers().values():
             for name, value in moe.balance_loss.items():
                 terms.setdefault(name, []).append(value.detach())
+        if self.mtp_loss is not None:
+            terms["mtp_loss"] = [self.mtp_loss.detach()]
         if not terms:
             return {}
         totals = torch.stack([torch.stack(values).sum() for values in terms.values()]).tolist()  # one sync
@@ -530,8 +609,18 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin)
         return x
 
-    def moe_layers(self) -> dict[int, MoE]:
-        return {i: layer.ffn for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)}
+    def blocks(self) -> list[Block]:
+        """Every transformer block: the main model's, then those of the MTP depths."""
+        return [*self.layers, *(depth.block for depth in self.mtp)]
+
+    def moe_layers(self, mtp: bool = True) -> dict[int, MoE]:
+        """The MoE layers by layer index; MTP depth j counts as layer n_layers + j, as in
+        DeepSeek's checkpoints (`mtp=False`: the main model's only)."""
+        blocks = self.blocks() if mtp else self.layers
+        return {i: block.ffn for i, block in enumerate(blocks) if isinstance(block.ffn, MoE)}
+
+    def mtp_moe_layers(self) -> list[MoE]:
+        return [depth.block.ffn for depth in self.mtp if isinstance(depth.block.ffn, MoE)]
 
     @torch.no_grad()
     def balance_experts(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> float:
@@ -562,19 +651,34 @@ class Transformer(nn.Module):
 
 
 def count_parameters(model: Transformer) -> tuple[int, int]:
-    """(total, active per token) parameter counts.
+    """(total, active per token) parameter counts of the main model.
 
     Active counts every parameter except the routed experts a token does not visit:
     n_activated_experts of the n_routed_experts per MoE layer. Both counts include the
     embedding and the lm head; DeepSeek's published totals do too, their active counts
-    leave the input embedding out. Works on meta models.
+    leave the input embedding out. MTP depths are left out, as DeepSeek's 671B leaves them
+    out: `count_mtp_parameters` counts them. Works on meta models.
     """
-    total = sum(p.numel() for p in model.parameters())
+    mtp = {id(p) for p in model.mtp.parameters()}
+    total = sum(p.numel() for p in model.parameters() if id(p) not in mtp)
+    return total, total - _inactive_expert_parameters(model.moe_layers(mtp=False).values())
+
+
+def count_mtp_parameters(model: Transformer) -> tuple[int, int]:
+    """(total, active per token) of the MTP depths' own parameters; the embedding and the
+    head they share with the main model are counted there (DeepSeek's 14B for V3's MTP
+    module counts its copies of both)."""
+    total = sum(p.numel() for p in model.mtp.parameters())
+    return total, total - _inactive_expert_parameters(model.mtp_moe_layers())
+
+
+def _inactive_expert_parameters(moes) -> int:
+    """The routed-expert parameters a token does not visit, over `moes`."""
     inactive = 0
-    for moe in model.moe_layers().values():
+    for moe in moes:
         per_expert = moe.w13.shape[1:].numel() + moe.w2.shape[1:].numel()
         inactive += per_expert * (moe.n_routed_experts - moe.n_activated_experts)
-    return total, total - inactive
+    return inactive
 
 
 def training_flops_per_token(model: Transformer, seq_len: int) -> float:
@@ -582,12 +686,16 @@ def training_flops_per_token(model: Transformer, seq_len: int) -> float:
 
     The embedding is a lookup, not a matmul, so it leaves the count, unless it is tied to
     the lm head, whose matmul is real. Attention counts the full (not causal) score matrix.
+    Each MTP depth adds its own matmuls, one more pass through the shared head, and one
+    block's attention (counted over the whole sequence; it runs on seq_len - k positions).
     """
     cfg = model.config
     _, active = count_parameters(model)
+    _, mtp_active = count_mtp_parameters(model)
     matmul_params = active - (0 if cfg.tie_embeddings else model.tok_embeddings.weight.numel())
+    matmul_params += mtp_active + cfg.n_mtp_layers * model.lm_head.weight.numel()
     qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    attention = 6 * cfg.n_layers * cfg.n_heads * (qk_dim + cfg.v_head_dim) * seq_len
+    attention = 6 * (cfg.n_layers + cfg.n_mtp_layers) * cfg.n_heads * (qk_dim + cfg.v_head_dim) * seq_len
     return 6 * matmul_params + attention
 
 
