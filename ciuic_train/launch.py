@@ -228,9 +228,15 @@ def reported_exit_status(exit_codes: dict[int, int]) -> int | None:
 
     Rank 0 exits 2 after a user mistake, 3 after a run stopped itself (`RunFailed`). The
     other ranks meet the same end, but one still on its way there when rank 0 exits is
-    stopped by the launcher (SIGTERM, then SIGKILL), which is no crash of its own.
+    stopped by the launcher (SIGTERM, then SIGKILL), which is no crash of its own. A run
+    stops itself on every rank at once, after they agreed, and rank 0 says why before
+    anything else; so when another rank exits 3 first, rank 0 stopped by the launcher
+    on its way out (on a busy machine its exit can take longer than the launcher's 0.5 s
+    look) has said it too.
     """
     status = exit_codes.get(0)
+    if status not in (2, RUN_FAILED_STATUS) and RUN_FAILED_STATUS in exit_codes.values():
+        status = RUN_FAILED_STATUS
     if status not in (2, RUN_FAILED_STATUS):
         return None
     stopped = {status, -signal.SIGTERM, -signal.SIGKILL}

@@ -64,6 +64,8 @@ def format_step(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f}")
+    if "mtp_loss" in record:
+        parts.append(f"mtp_loss {record['mtp_loss']:.4f}")
     parts += [
         f"lr {record['lr']:.2e}",
         f"grad_norm {record['grad_norm']:.3f}",

@@ -119,6 +119,8 @@ def test_quoted_values_read_back_verbatim(value):
         ({0: 1}, None),
         ({0: 3, 1: 3}, 3),  # the run stopped itself (diverged, cannot save) and rank 0 said why
         ({0: 3, 1: -15}, 3),
+        ({0: -15, 1: 3}, 3),  # all ranks stopped the run; rank 0 said why, then was stopped on its way out
+        ({0: -15, 1: 3, 2: 1}, None),  # and a crash beside it
         ({0: 3, 1: 2}, None),  # rank 1 met something else
     ],
 )

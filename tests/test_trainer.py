@@ -13,6 +13,7 @@ from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
 from ciuic_train.config import DecayShape, Schedule
 from ciuic_train.loop import Throughput
+from ciuic_train.metrics import format_step
 from ciuic_train.optim import LrSchedule, build_optimizer
 from ciuic_train.parallel import param_checksum
 from ciuic_train.trainer import Trainer
@@ -123,6 +124,7 @@ def test_mtp_loss_is_logged_beside_the_next_token_loss(tmp_path, text_corpus):
     assert 0 < figures["mtp_loss"] < 2 * figures["loss"]
     record = trainer._record(figures, [figures["loss"]], Throughput(1), None, False)
     assert record["mtp_loss"] == figures["mtp_loss"]
+    assert f"mtp_loss {figures['mtp_loss']:.4f}" in format_step(record)  # the progress line shows it
 
 
 def test_a_run_resumed_mid_decay_continues_the_same_lr_curve(tmp_path, text_corpus, one_thread):

@@ -1,0 +1,125 @@
+"""A two-node Slurm on the emulated hosts: one slurmd per host, jobs across both.
+
+`scripts/cluster/netns_cluster.sh up` makes the hosts and `scripts/slurm/local_cluster.sh
+start-netns` runs slurmctld on host0 and a slurmd on each host (as root; `.ci/run` does
+both). Slurm's commands run on host0, as on a login node. Without that cluster these tests
+are skipped, unless CIUIC_REQUIRE_SLURM=1 and CIUIC_REQUIRE_NETNS=1 say it must be there.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import torchrun
+
+pytestmark = [pytest.mark.slurm, pytest.mark.netns]
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM = REPO / "scripts" / "slurm" / "local_cluster.sh"
+CLUSTER = REPO / "scripts" / "cluster" / "netns_cluster.sh"
+TEMPLATE = REPO / "scripts" / "slurm" / "train.sbatch"
+# Two ranks of batch 4 each, whatever starts them: every run below trains the same model.
+RUN = ("model=tiny", "sample.max_new_tokens=0", "train.max_steps=6", "train.batch_size=4")
+# The jobs inherit it (sbatch and srun export the caller's environment): the venv's
+# torchrun and ciuic-train on PATH, one thread per rank on a small machine.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+def on_host0(*command: str, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A command on host0, the login node of the two-node cluster."""
+    return subprocess.run([str(CLUSTER), "exec", "0", *command], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _hosts_up() -> bool:
+    status = subprocess.run([str(CLUSTER), "status"], capture_output=True, text=True)
+    return status.returncode == 0 and "host1" in status.stdout
+
+
+def _problem() -> str | None:
+    if not _hosts_up():
+        return "no emulated hosts"
+    if shutil.which("sbatch") is None:
+        return "no Slurm installed (no sbatch on PATH)"
+    ping = on_host0("scontrol", "ping").stdout
+    if "UP" not in ping:  # and sinfo would retry for 10 s
+        return f"no Slurm controller on host0 ({ping.splitlines()[0] if ping else 'scontrol ping failed'})"
+    nodes = on_host0("sinfo", "-h", "-N", "-o", "%N=%T").stdout.split()
+    if sorted(nodes) != ["host0=idle", "host1=idle"]:
+        return f"no two idle Slurm nodes on the emulated hosts (sinfo on host0: {nodes})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> None:
+    required = os.environ.get("CIUIC_REQUIRE_SLURM") == "1" and os.environ.get("CIUIC_REQUIRE_NETNS") == "1"
+    started = ""
+    if os.geteuid() == 0 and _hosts_up() and shutil.which("sbatch"):
+        if required or "no Slurm controller" not in (_problem() or ""):
+            # Idempotent: starts whatever is not running, such as host1's slurmd after
+            # test_netns killed every process on host1 (Slurm would notice minutes later).
+            start = subprocess.run([str(SLURM), "start-netns"], capture_output=True, text=True, timeout=180)
+            started = f"; start-netns said: {(start.stdout + start.stderr)[-1500:]}"
+    problem = _problem()
+    if problem and required:
+        pytest.fail(f"CIUIC_REQUIRE_SLURM=1 and CIUIC_REQUIRE_NETNS=1 but {problem}{started}")
+    if problem:
+        pytest.skip(f"{problem}: as root, run {CLUSTER} up, then {SLURM} start-netns")
+
+
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory) -> dict:
+    """The same run as two ranks on one host, without Slurm."""
+    root = tmp_path_factory.mktemp("one_host")
+    result = torchrun("--nproc_per_node=2", "-m", "ciuic_train", *RUN, f"hydra.run.dir={root / 'run'}", cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return summary(root / "run")
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def accounted(name: str, timeout: float = 30) -> str:
+    """`NodeList|ExitCode` of the job called `name`, once sacct has it ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = on_host0("sacct", "-n", "-X", "-P", f"--name={name}", "-o", "State,NodeList,ExitCode")
+        rows = rows.stdout.splitlines()
+        ended = rows and rows[0].split("|")[0] not in ("PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED")
+        if ended or time.monotonic() > deadline:
+            return " ".join(row.split("|", 1)[1] for row in rows)
+        time.sleep(0.3)
+
+
+def test_srun_starts_one_rank_per_node_and_trains_the_one_host_model(two_nodes, one_host, tmp_path):
+    name = f"srun-{uuid.uuid4().hex[:8]}"
+    result = on_host0("srun", "-N", "2", "--ntasks-per-node=1", f"--job-name={name}", "--kill-on-bad-exit=1",
+                      "ciuic-train", *RUN, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert accounted(name) == "host[0-1]|0:0"
+    across = summary(tmp_path / "run")
+    assert across["world_size"] == 2 and across["strategy"] == "ddp"
+    assert across["param_checksum"] == one_host["param_checksum"]
+
+
+def test_sbatch_template_runs_one_torchrun_per_node(two_nodes, one_host, tmp_path):
+    name = f"sbatch-{uuid.uuid4().hex[:8]}"
+    submit = on_host0("sbatch", "--parsable", "-N", "2", f"--job-name={name}", f"--output={tmp_path / 'job.out'}",
+                      f"--export=ALL,RUN_DIR={tmp_path / 'run'}", str(TEMPLATE), *RUN, cwd=tmp_path)
+    assert submit.returncode == 0, submit.stderr
+    job, deadline = submit.stdout.strip(), time.monotonic() + 240
+    while on_host0("squeue", "-h", "-j", job, "-o", "%T").stdout.strip():
+        assert time.monotonic() < deadline, f"job {job} still queued or running after 240 s"
+        time.sleep(0.3)
+    log = (tmp_path / "job.out").read_text()
+    assert accounted(name) == "host[0-1]|0:0", log[-3000:]
+    across = summary(tmp_path / "run")
+    assert across["world_size"] == 2 and across["param_checksum"] == one_host["param_checksum"], log[-3000:]
