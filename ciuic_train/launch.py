@@ -52,7 +52,7 @@ from typing import Any, Iterator
 
 from ciuic_train import runlock
 from ciuic_train.config import Config
-from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed
+from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError
 from ciuic_train.slurm import WORKER_OVERRIDES, Task, in_slurm_task
 
 log = logging.getLogger("ciuic_train")
@@ -120,6 +120,19 @@ class ElasticWorker(LaunchPath):
     @classmethod
     def applies(cls) -> bool:
         return "TORCHELASTIC_RUN_ID" in os.environ
+
+    def overrides_before_check(self, argv: list[str]) -> list[str]:
+        """Without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which torch 2.13
+        needs for a replaced node to rejoin under --max-restarts) the ranks cannot agree on a
+        `${now:}` folder (`run_folder`), so several ranks need it named."""
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        named = any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv)
+        if not agent_store and int(os.environ.get("WORLD_SIZE", 1)) > 1 and not named:
+            raise UserError(
+                "under torchrun without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the ranks "
+                "cannot agree on a dated run folder; name it: hydra.run.dir=DIR (on storage every host sees)"
+            )
+        return []
 
     def run_folder(self, checked: str) -> str:
         """One run folder for all ranks.

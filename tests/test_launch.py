@@ -95,6 +95,22 @@ def test_elastic_workers_take_the_first_proposed_folder(env, tmp_path):
     assert agent_store.get("ciuic_train/run_dir/run-1").decode() == str(tmp_path / "12-00-00")
 
 
+def test_workers_without_the_agents_store_need_a_named_folder(env):
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a replaced node's rejoin needs it) takes the store
+    the ranks agree on a folder through: several ranks must be given one."""
+    env.setenv("TORCHELASTIC_RUN_ID", "run-1")
+    env.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match=r"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.*name it: hydra.run.dir=DIR"):
+        launch.ElasticWorker().overrides_before_check(["model=tiny"])
+    assert launch.ElasticWorker().overrides_before_check(["model=tiny", "hydra.run.dir=/shared/run"]) == []
+    env.setenv("WORLD_SIZE", "1")
+    assert launch.ElasticWorker().overrides_before_check(["model=tiny"]) == []
+    env.setenv("WORLD_SIZE", "2")
+    env.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert launch.ElasticWorker().overrides_before_check(["model=tiny"]) == []
+
+
 @pytest.mark.parametrize("path", [launch.SrunTask(), launch.ElasticWorker()])
 def test_a_sweep_is_refused_where_every_rank_would_run_all_of_it(path):
     with pytest.raises(UserError, match=f"-m under {path.name} would run the whole sweep on every rank"):
