@@ -18,7 +18,7 @@ from ciuic_train.errors import UserError
 from ciuic_train.model import ModelConfig, Transformer
 from ciuic_train.trainer import Trainer
 from ciuic_train.tricks import registry
-from conftest import compose_config, run_cli, torchrun
+from conftest import compose_config, run_cli, torchrun, write_text_corpus
 
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0",
         "progress=plain"]
@@ -103,6 +103,16 @@ def test_corrupt_checkpoint_is_a_clear_error_not_a_fresh_start(tmp_path, text_co
         make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=8")
 
 
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A run folder with a complete checkpoint (3 steps of model=tiny), made once for the module."""
+    root = tmp_path_factory.mktemp("trained")
+    run_dir = root / "run"
+    args = [*TINY, *corpus(write_text_corpus(root / "corpus"), root), "train.max_steps=3", f"hydra.run.dir={run_dir}"]
+    assert run_cli(*args, cwd=root).returncode == 0
+    return run_dir
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -113,10 +123,11 @@ def test_corrupt_checkpoint_is_a_clear_error_not_a_fresh_start(tmp_path, text_co
         (["resume=/nonexistent/x"], "no complete checkpoint at /nonexistent/x"),
     ],
 )
-def test_incompatible_resume_is_refused_before_the_run_folder_is_touched(tmp_path, text_corpus, change, message):
+def test_incompatible_resume_is_refused_before_the_run_folder_is_touched(trained_run, tmp_path, change, message):
     run_dir = tmp_path / "run"
-    common = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=3", f"hydra.run.dir={run_dir}"]
-    assert run_cli(*common, cwd=tmp_path).returncode == 0
+    shutil.copytree(trained_run, run_dir)  # a copy of one trained run folder per case
+    common = [*TINY, *corpus(trained_run.parent / "corpus", trained_run.parent), "train.max_steps=3",
+              f"hydra.run.dir={run_dir}"]
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
     result = run_cli(*common, *change, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr, result.stderr
