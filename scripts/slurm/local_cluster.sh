@@ -53,22 +53,26 @@ install_packages() {
   if [ $own_policy = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
 }
 
-write_slurm_conf() {
-  local mem_mb conf
-  mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)  # under the real size, or the node is drained
-  conf=$(mktemp)
-  cat >"$conf" <<EOF
-ClusterName=ciuic
-SlurmctldHost=$node(127.0.0.1)
+# Memory a node offers Slurm: under the real size, or the node is drained.
+node_mem_mb() { awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo; }
+
+# slurm.conf up to its node lines, the same for both clusters but for their names and places.
+# slurm_conf_common CLUSTER CTLD_NAME CTLD_ADDR STATE_DIR [PER_NODE]: PER_NODE (%n) gives each
+# slurmd of a machine its own spool folder, pid and log file.
+slurm_conf_common() {
+  local per_node_dir=${5:+/$5} per_node_file=${5:+-$5}
+  cat <<EOF
+ClusterName=$1
+SlurmctldHost=$2($3)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-StateSaveLocation=$state/ctld
-SlurmdSpoolDir=$state/spool
-SlurmctldPidFile=$state/slurmctld.pid
-SlurmdPidFile=$state/slurmd.pid
-SlurmctldLogFile=$state/log/slurmctld.log
-SlurmdLogFile=$state/log/slurmd.log
+StateSaveLocation=$4/ctld
+SlurmdSpoolDir=$4/spool$per_node_dir
+SlurmctldPidFile=$4/slurmctld.pid
+SlurmdPidFile=$4/slurmd$per_node_file.pid
+SlurmctldLogFile=$4/log/slurmctld.log
+SlurmdLogFile=$4/log/slurmd$per_node_file.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -79,11 +83,19 @@ MinJobAge=3600
 KillWait=5
 MailProg=/bin/true
 AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=127.0.0.1
+AccountingStorageHost=$3
 JobAcctGatherType=jobacct_gather/linux
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$mem_mb State=UNKNOWN
-PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF
+}
+
+write_slurm_conf() {
+  local conf
+  conf=$(mktemp)
+  {
+    slurm_conf_common ciuic "$node" 127.0.0.1 "$state"
+    echo "NodeName=$node NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$(node_mem_mb) State=UNKNOWN"
+    echo "PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP"
+  } >"$conf"
   if ! cmp -s "$conf" /etc/slurm/slurm.conf; then
     say "writing /etc/slurm/slurm.conf"
     install -m 644 "$conf" /etc/slurm/slurm.conf
@@ -174,33 +186,9 @@ ns_pidfiles() { echo "$ns_state"/slurmd-host*.pid "$ns_state/slurmctld.pid" "$ns
 
 write_netns_conf() {  # $1 number of hosts; the same slurm.conf on every host, slurmdbd.conf on host0
   local n=$1 i mem_mb conf changed=0
-  mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
+  mem_mb=$(node_mem_mb)
   conf=$(mktemp)
-  cat >"$conf" <<EOF
-ClusterName=ciuicnet
-SlurmctldHost=host0($("$cluster" addr 0))
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-StateSaveLocation=$ns_state/ctld
-SlurmdSpoolDir=$ns_state/spool/%n
-SlurmctldPidFile=$ns_state/slurmctld.pid
-SlurmdPidFile=$ns_state/slurmd-%n.pid
-SlurmctldLogFile=$ns_state/log/slurmctld.log
-SlurmdLogFile=$ns_state/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-MpiDefault=none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-MinJobAge=3600
-KillWait=5
-MailProg=/bin/true
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=$("$cluster" addr 0)
-JobAcctGatherType=jobacct_gather/linux
-EOF
+  slurm_conf_common ciuicnet host0 "$("$cluster" addr 0)" "$ns_state" %n >"$conf"
   for ((i = 0; i < n; i++)); do
     echo "NodeName=host$i NodeAddr=$("$cluster" addr "$i") CPUs=$(nproc) RealMemory=$mem_mb State=UNKNOWN" >>"$conf"
   done
