@@ -125,9 +125,8 @@ class ElasticWorker(LaunchPath):
         """Without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which torch 2.13
         needs for a replaced node to rejoin under --max-restarts) the ranks cannot agree on a
         `${now:}` folder (`run_folder`), so several ranks need it named."""
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         named = any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv)
-        if not agent_store and int(os.environ.get("WORLD_SIZE", 1)) > 1 and not named:
+        if not uses_agent_store() and int(os.environ.get("WORLD_SIZE", 1)) > 1 and not named:
             raise UserError(
                 "under torchrun without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the ranks "
                 "cannot agree on a dated run folder; name it: hydra.run.dir=DIR (on storage every host sees)"
@@ -256,9 +255,15 @@ def reported_exit_status(exit_codes: dict[int, int]) -> int | None:
     return status if all(code in stopped for code in exit_codes.values()) else None
 
 
+def uses_agent_store() -> bool:
+    """Whether torch's elastic agent lends its workers its store (MASTER_ADDR:MASTER_PORT):
+    it does unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and outside torchrun there is none."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def _agree_run_dir(proposal: str) -> str:
     """The first proposal any rank of this worker group made (our own, without an agent store)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not uses_agent_store():
         return str(Path(proposal).absolute())
     from datetime import timedelta
 

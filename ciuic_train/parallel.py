@@ -26,6 +26,7 @@ from torch import nn
 
 from ciuic_train.config import Backend, DistConfig
 from ciuic_train.errors import UserError
+from ciuic_train.launch import uses_agent_store
 from ciuic_train.mesh import Mesh, resolve_mesh
 
 log = logging.getLogger("ciuic_train")
@@ -212,7 +213,7 @@ def _attempt_store(info: RankInfo, timeout: timedelta) -> dict[str, Any]:
     address left by the previous attempt and fail to connect (seen with torch 2.13 and
     gloo). Returns the arguments for init_process_group; none outside torchrun.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not uses_agent_store():
         return {}
     agent_store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
