@@ -1,3 +1,3 @@
-from ciuic_train.cli import main
+from ciuic_train.cli.main import main
 
 main()

@@ -17,7 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ciuic_train.errors import UserError
 from ciuic_train.model.config import ModelConfig
-from ciuic_train.trackers import check_loggers
+from ciuic_train.train.trackers import check_loggers
 from ciuic_train.tricks import check_tricks
 
 
@@ -33,7 +33,7 @@ class Precision(Enum):
 
 
 class Strategy(Enum):
-    """A shorthand for the device mesh (ciuic_train/mesh.py); `auto` takes dist.dp_* as given.
+    """A shorthand for the device mesh (ciuic_train/distributed/mesh.py); `auto` takes dist.dp_* as given.
 
     ddp: replicas only; fsdp: shards only; hsdp: shards within a node, replicas across.
     """
@@ -174,7 +174,7 @@ class TrainConfig:
 class DistConfig:
     strategy: Strategy = Strategy.auto
     backend: Backend = Backend.auto
-    # The device mesh (ciuic_train/mesh.py); -1 takes what the world size leaves. The
+    # The device mesh (ciuic_train/distributed/mesh.py); -1 takes what the world size leaves. The
     # defaults are DDP over every rank; dp_shard>1 shards with FSDP2 (HSDP when
     # dp_replicate>1 too); ep>1 splits the routed experts over that many shard ranks.
     dp_replicate: int = -1
@@ -239,7 +239,7 @@ class Config:
     optim: OptimConfig = MISSING
     # One entry per selected trick (`+trick=name`), keyed by the trick's name.
     trick: Dict[str, Any] = field(default_factory=dict)
-    # One entry per selected experiment tracker (`+logger=name`): ciuic_train/trackers.py.
+    # One entry per selected experiment tracker (`+logger=name`): ciuic_train/train/trackers.py.
     logger: Dict[str, Any] = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)

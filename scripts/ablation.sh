@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command trick ablation: every trick alone against the baseline, over seeds, then
-# `ciuic_train.report` on the sweep folder (report.md, report.json, loss_curves.png,
+# `ciuic_train.tools.report` on the sweep folder (report.md, report.json, loss_curves.png,
 # effect.png there).
 #
 #   bash scripts/ablation.sh [MODEL] [STEPS] [SEEDS] [OVERRIDE ...]   # defaults: tiny 30 "0,1"
@@ -43,4 +43,4 @@ ciuic-train -m \
     sample.max_new_tokens=0 progress=plain "$@" \
     hydra.sweep.dir="$DIR" || echo "ablation.sh: the sweep exited with status $?; reporting what finished" >&2
 
-python -m ciuic_train.report "$DIR"
+python -m ciuic_train.tools.report "$DIR"

@@ -37,8 +37,8 @@ from rich.table import Table
 from ciuic_train.config import Config, Precision, register_configs, to_config
 from ciuic_train.model import Transformer
 from ciuic_train.model.deepseek import training_flops_per_token
-from ciuic_train.optim import build_optimizer
-from ciuic_train.trainer import Trainer
+from ciuic_train.train.optim import build_optimizer
+from ciuic_train.train.trainer import Trainer
 
 MATMUL_SIZES = (1024, 2048)
 # On a GPU the CPU sizes take microseconds, too short to time; these reach its peak.

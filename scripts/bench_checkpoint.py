@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ciuic_train.config import register_configs, to_config
-from ciuic_train.trainer import Trainer
+from ciuic_train.train.trainer import Trainer
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ Two questions, one run:
    - step time: each of 2 workers (`--ep-worker`) builds both layouts' Trainers from the
      same seed and times their `train_step()`s alternately, step by step, the order
      flipping every step, as in 2. Their first-step losses must agree within 1e-5.
-   - all-to-all: in the worker processes only, `ciuic_train.expert_parallel`'s `dist`
+   - all-to-all: in the worker processes only, `ciuic_train.distributed.expert_parallel`'s `dist`
      is replaced by a proxy that times every `all_to_all_single` and counts the bytes
      each sends to and receives from the other ranks, and `_AllToAll`'s forward and
      backward are wrapped to say which pass a row exchange belongs to. The bytes are
@@ -50,7 +50,7 @@ Two questions, one run:
      mark. The figure is each rank's peak RSS (VmHWM) and its growth past the point where
      the worker had imported everything and composed the config, i.e. what building the
      model, the process group's mesh, the optimizer and training cost. Parameter bytes
-     per rank are `ciuic_train.parallel.param_bytes`. (torch has no CPU allocator
+     per rank are `ciuic_train.distributed.process_group.param_bytes`. (torch has no CPU allocator
      statistics to read instead.)
 
     python scripts/bench_dist.py --ep [--model bench] [--batch-size 8] [--ep-steps 20]
@@ -106,13 +106,13 @@ from hydra import compose, initialize_config_module
 from rich.console import Console
 from rich.table import Table
 
-import ciuic_train.expert_parallel as expert_parallel
+import ciuic_train.distributed.expert_parallel as expert_parallel
 from bench import results_console
 from netns_claims import kill_group
-from ciuic_train.launch import quote_override
+from ciuic_train.launch.paths import quote_override
 from ciuic_train.config import register_configs, to_config
-from ciuic_train.parallel import Parallel, param_bytes
-from ciuic_train.trainer import Trainer
+from ciuic_train.distributed.process_group import Parallel, param_bytes
+from ciuic_train.train.trainer import Trainer
 
 NPROC = 2
 # Untimed steps of each Trainer before the comm timing: DDP rebuilds its buckets after
@@ -328,7 +328,7 @@ MEMORY_RUN_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 class _ProbedDist:
-    """`torch.distributed` as `ciuic_train.expert_parallel` sees it, with `all_to_all_single`
+    """`torch.distributed` as `ciuic_train.distributed.expert_parallel` sees it, with `all_to_all_single`
     timed and sized; everything else is torch's. Only that module's name is rebound, so
     FSDP's and everyone else's collectives are left alone."""
 

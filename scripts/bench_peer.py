@@ -58,7 +58,7 @@ from rich.table import Table
 
 from bench import matmul_peak as square_peaks, results_console  # this script's folder is on sys.path
 from ciuic_train.errors import UserError
-from ciuic_train.hf import config_json
+from ciuic_train.checkpoint.hf import config_json
 from ciuic_train.model import ModelConfig, Transformer, count_parameters
 from ciuic_train.model.deepseek import training_flops_per_token
 
@@ -79,7 +79,7 @@ def peer_model(cfg: ModelConfig, experts: str) -> torch.nn.Module:
     """transformers' DeepseekV3ForCausalLM with exactly our shape; `experts` is eager or grouped_mm."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    try:  # our config.json (ciuic_train/hf.py), so both models compute the same function
+    try:  # our config.json (ciuic_train/checkpoint/hf.py), so both models compute the same function
         fields = config_json(cfg)
     except UserError as err:
         raise SystemExit(str(err)) from None

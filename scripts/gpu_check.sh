@@ -195,7 +195,7 @@ def probe():
     try:
         import importlib
         importlib.import_module("ciuic_train.conf")  # Hydra's config package: only an install maps it
-        importlib.import_module("ciuic_train.trainer")
+        importlib.import_module("ciuic_train.train.trainer")
         ours = f"ciuic_train from {Path(sys.modules['ciuic_train'].__file__).parent}"
     except Exception as err:  # noqa: BLE001
         ours = f"ciuic_train not importable ({type(err).__name__}: {err})"

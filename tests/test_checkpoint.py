@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ciuic_train.checkpoint import check_resumable
+from ciuic_train.checkpoint.checkpointer import check_resumable
 from ciuic_train.errors import UserError
 from ciuic_train.model import ModelConfig, Transformer
-from ciuic_train.trainer import Trainer
+from ciuic_train.train.trainer import Trainer
 from ciuic_train.tricks import registry
 from conftest import compose_config, run_cli, torchrun, write_text_corpus
 
@@ -85,7 +85,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, t
         (open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb")).write(b"partial")
         raise KeyboardInterrupt  # the process is killed mid-write
 
-    monkeypatch.setattr("ciuic_train.checkpoint.dcp.save", dies_halfway)
+    monkeypatch.setattr("ciuic_train.checkpoint.checkpointer.dcp.save", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
         trainer.save_checkpoint()
     monkeypatch.undo()

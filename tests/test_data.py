@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ciuic_train.config import DataConfig
-from ciuic_train.data import (
+from ciuic_train.data.corpus import (
     WindowSampler,
     eval_indices,
     find_sources,

@@ -161,7 +161,7 @@ def test_grad_consistency_is_refused_where_it_cannot_measure(tmp_path, setting, 
 def test_a_communication_failure_is_one_line_naming_the_ranks_and_the_settings(monkeypatch):
     from torch.distributed import DistStoreError
 
-    from ciuic_train.parallel import lost_peers_message
+    from ciuic_train.distributed.process_group import lost_peers_message
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "host0")
@@ -181,8 +181,8 @@ def test_ddp_takes_its_bucket_size_from_the_config(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from ciuic_train.mesh import Mesh, MeshShape
-    from ciuic_train.parallelize import replicate
+    from ciuic_train.distributed.mesh import Mesh, MeshShape
+    from ciuic_train.distributed.parallelize import replicate
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from ciuic_train.model import ModelConfig, Transformer
 from ciuic_train.model import deepseek
 from ciuic_train.model.kernels import attention, moe
-from ciuic_train.trainer import Trainer
+from ciuic_train.train.trainer import Trainer
 from conftest import compose_config
 
 REPO = Path(__file__).parents[1]

@@ -17,12 +17,13 @@ from hydra import compose, initialize_config_module
 from safetensors.torch import load_file, save_file
 
 from conftest import torchrun, write_text_corpus
-from ciuic_train import cli, export
-from ciuic_train.cli import _model_from_init_from
+from ciuic_train.checkpoint import export
+from ciuic_train.cli import main as cli
+from ciuic_train.cli.main import _model_from_init_from
 from ciuic_train.config import to_config
-from ciuic_train.data import WindowSampler
+from ciuic_train.data.corpus import WindowSampler
 from ciuic_train.errors import UserError
-from ciuic_train.hf import (
+from ciuic_train.checkpoint.hf import (
     INDEX_FILE,
     check_init_from,
     config_json,
@@ -34,7 +35,7 @@ from ciuic_train.hf import (
 )
 from ciuic_train.model import Transformer
 from ciuic_train.model.config import ModelConfig
-from ciuic_train.trainer import Trainer
+from ciuic_train.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
 
@@ -170,7 +171,7 @@ def test_a_resumed_run_keeps_its_own_weights_not_init_from(plain, tmp_path, monk
     def not_again(*args):
         raise AssertionError("init_from read again on resume")
 
-    monkeypatch.setattr("ciuic_train.trainer.load_hf_weights", not_again)
+    monkeypatch.setattr("ciuic_train.train.trainer.load_hf_weights", not_again)
     resumed = Trainer(config_of(*overrides, f"init_from={folder}"), tmp_path)
     assert resumed.resumed_from is not None and resumed.step == 1
     for (name, ours), theirs in zip(resumed.model.state_dict().items(), first.model.state_dict().values()):

@@ -1,6 +1,6 @@
 """SIGKILL a rank of a real 2-process run at seeded random moments, resume each time: the run
 must end exactly like an uninterrupted one (issue "Reliability", item 4). Each restart also
-takes the run folder's lock again (ciuic_train/runlock.py): a killed job leaves none behind.
+takes the run folder's lock again (ciuic_train/launch/runlock.py): a killed job leaves none behind.
 
 Design. Nothing is patched: `ciuic-train dist.nproc_per_node=2` starts two gloo workers
 through torch's elastic launcher, and the test SIGKILLs one of them (found among the

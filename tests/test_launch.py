@@ -10,10 +10,10 @@ import socket
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from ciuic_train import launch
-from ciuic_train.cli import check_request
+from ciuic_train.launch import paths as launch
+from ciuic_train.cli.main import check_request
 from ciuic_train.errors import UserError
-from ciuic_train.slurm import WORKER_OVERRIDES, Task
+from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task
 
 # Everything a path reads from the environment, or a path's hook writes into it.
 LAUNCH_ENV = (

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from ciuic_train.hf import config_json, exported_names
+from ciuic_train.checkpoint.hf import config_json, exported_names
 from ciuic_train.model import ModelConfig, Transformer, count_mtp_parameters, count_parameters, generate
 from ciuic_train.model.config import IMPLEMENTATION_FIELDS
 from ciuic_train.model.deepseek import (
@@ -630,7 +630,7 @@ def test_rope_scaling_none_keeps_the_plain_tables_and_softmax_scale_bit_identica
 
 def transformers_twin(model: Transformer):
     """transformers' DeepseekV3ForCausalLM with `model`'s shape, RoPE and weights, eager throughout,
-    through the names and config.json of ciuic_train/hf.py."""
+    through the names and config.json of ciuic_train/checkpoint/hf.py."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     assert model.config.score_func == "sigmoid", "transformers' DeepseekV3 routes with sigmoid scores only"
     config = transformers.DeepseekV3Config.from_dict(

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from ciuic_train.config import to_config
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters
-from ciuic_train.plan import GIB, plan_figures
+from ciuic_train.tools.plan import GIB, plan_figures
 from conftest import run_cli, torchrun, write_text_corpus
 
 TINY = ["model=tiny", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain", "train.max_steps=2"]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ciuic_train import runlock
+from ciuic_train.launch import runlock
 from ciuic_train.config import TrainConfig
 from ciuic_train.errors import RunFailed, UserError
-from ciuic_train.loop import LossWatch, StepCheck
+from ciuic_train.train.loop import LossWatch, StepCheck
 from conftest import run_cli
 from test_checkpoint import TINY, corpus, make_trainer
 
@@ -167,7 +167,7 @@ def test_a_fresh_start_forgets_metrics_of_an_attempt_that_saved_nothing(tmp_path
 
 HOLD = """
 import sys, time
-from ciuic_train import runlock
+from ciuic_train.launch import runlock
 runlock.acquire(sys.argv[1])
 print("held", flush=True)
 time.sleep(60)
@@ -238,7 +238,7 @@ def test_a_save_that_cannot_be_written_stops_the_run_and_leaves_nothing_behind(t
 
 
 def test_a_short_disk_is_warned_about_at_start(tmp_path, text_corpus, monkeypatch, caplog):
-    monkeypatch.setattr("ciuic_train.checkpoint.free_bytes", lambda path: 1000)
+    monkeypatch.setattr("ciuic_train.checkpoint.checkpointer.free_bytes", lambda path: 1000)
     with caplog.at_level(logging.WARNING, logger="ciuic_train"):
         make_trainer(tmp_path / "run", text_corpus, tmp_path, "ckpt.keep_last=2")
     assert "only 1000 B free" in caplog.text and "room for 3 checkpoints" in caplog.text

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ciuic_train import report
+from ciuic_train.tools import report
 from ciuic_train.errors import UserError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

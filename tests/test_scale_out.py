@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import run_cli, torchrun, write_text_corpus
-from ciuic_train.checkpoint import check_resumable, export_model
+from ciuic_train.checkpoint.checkpointer import check_resumable, export_model
 from ciuic_train.config import DistConfig, Strategy
 from ciuic_train.errors import UserError
-from ciuic_train.mesh import MeshShape, resolve_mesh
+from ciuic_train.distributed.mesh import MeshShape, resolve_mesh
 
 STEPS = 20
 # With one multi-token-prediction depth: a sharded unit of its own, with its own MoE layer.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_train.cli import check_request
+from ciuic_train.cli.main import check_request
 from ciuic_train.config import DistConfig
 from ciuic_train.errors import UserError
 from conftest import run_cli
@@ -139,8 +139,8 @@ def test_a_cancel_outranks_a_time_limit_warning():
     """Ranks that saw different signals agree on one; SIGTERM (a cancel) must not become a requeue."""
     import torch
 
-    from ciuic_train.parallel import Parallel
-    from ciuic_train.loop import StopRequest
+    from ciuic_train.distributed.process_group import Parallel
+    from ciuic_train.train.loop import StopRequest
 
     single = Parallel(DistConfig(), torch.device("cpu"), n_routed_experts=4)
     with StopRequest() as stop:
@@ -154,7 +154,7 @@ def test_a_cancel_outranks_a_time_limit_warning():
 
 
 def test_rendezvous_port_follows_the_job(monkeypatch):
-    from ciuic_train.slurm import PORT_BASE, PORT_SPAN, Task
+    from ciuic_train.launch.slurm import PORT_BASE, PORT_SPAN, Task
 
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
     ports = set()

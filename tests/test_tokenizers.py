@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ciuic_train import data as data_module
-from ciuic_train.checkpoint import read_meta
-from ciuic_train.cli import check_request
+from ciuic_train.data import corpus as data_module
+from ciuic_train.checkpoint.checkpointer import read_meta
+from ciuic_train.cli.main import check_request
 from ciuic_train.config import DataConfig
-from ciuic_train.data import load_tokens, run_tokenizer_file
+from ciuic_train.data.corpus import load_tokens, run_tokenizer_file
 from ciuic_train.errors import UserError
-from ciuic_train.export import main as export_main
-from ciuic_train.tokenizer import split_text, token_dtype
-from ciuic_train.trainer import Trainer
+from ciuic_train.checkpoint.export import main as export_main
+from ciuic_train.data.tokenizer import split_text, token_dtype
+from ciuic_train.train.trainer import Trainer
 from conftest import compose_config
 
 tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers extra is not installed")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ciuic_train import trackers
-from ciuic_train.cli import check_request
+from ciuic_train.train import trackers
+from ciuic_train.cli.main import check_request
 from ciuic_train.errors import UserError
 from conftest import compose_config, write_text_corpus
 
@@ -173,7 +173,7 @@ def test_a_run_that_fails_ends_its_tracker_run_failed(tmp_path: Path):
     from mlflow.tracking import MlflowClient
 
     from ciuic_train.errors import RunFailed
-    from ciuic_train.trainer import Trainer
+    from ciuic_train.train.trainer import Trainer
 
     corpus = write_text_corpus(tmp_path / "corpus")
     config = compose_config(*TINY, "data=text", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",

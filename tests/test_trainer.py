@@ -12,11 +12,11 @@ from ciuic_train.config import Precision
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
 from ciuic_train.config import DecayShape, Schedule
-from ciuic_train.loop import Throughput
-from ciuic_train.metrics import format_step
-from ciuic_train.optim import LrSchedule, build_optimizer
-from ciuic_train.parallel import param_checksum
-from ciuic_train.trainer import Trainer
+from ciuic_train.train.loop import Throughput
+from ciuic_train.train.metrics import format_step
+from ciuic_train.train.optim import LrSchedule, build_optimizer
+from ciuic_train.distributed.process_group import param_checksum
+from ciuic_train.train.trainer import Trainer
 from ciuic_train.tricks import Trick, TrickContext, TrickSet, build_tricks, check_tricks
 from conftest import compose_config
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ciuic_train.data import WindowSampler
+from ciuic_train.data.corpus import WindowSampler
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
-from ciuic_train.optim import LrSchedule
-from ciuic_train.parallel import param_checksum
-from ciuic_train.trainer import Trainer
+from ciuic_train.train.optim import LrSchedule
+from ciuic_train.distributed.process_group import param_checksum
+from ciuic_train.train.trainer import Trainer
 from ciuic_train.tricks import CommHook, check_tricks, registry
 from ciuic_train.tricks.async_smoothed_loss import AsyncSmoothedLoss
 from ciuic_train.tricks.base import SEAMS, Trick, TrickContext, TrickSet
@@ -397,7 +397,7 @@ def test_a_comm_hook_trick_under_fsdp_is_a_clear_error(tmp_path, text_corpus, me
 def test_a_comm_hook_trick_is_allowed_with_replicas_only():
     """The check the CLI and `parallelize` share: DDP has the hook, any sharded mesh not."""
     from ciuic_train.errors import UserError
-    from ciuic_train.mesh import MeshShape, refuse_comm_hook
+    from ciuic_train.distributed.mesh import MeshShape, refuse_comm_hook
 
     refuse_comm_hook("delayed_sync", MeshShape(2, 1, 1))  # DDP: fine
     with pytest.raises(UserError, match="dist.strategy=hsdp does not have"):

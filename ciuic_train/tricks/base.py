@@ -33,7 +33,7 @@ finds the class by importing the package; nothing else changes.
 
 **Adding a seam**: two edits. A `@seam` method on `Trick` whose body is the default
 behaviour, and the call `self.tricks.<seam>(...)` where it applies in
-`ciuic_train/trainer.py`. `SEAMS`, conflict checking and `TrickSet`'s forwarding follow
+`ciuic_train/train/trainer.py`. `SEAMS`, conflict checking and `TrickSet`'s forwarding follow
 from the decorator.
 
 The CLI imports this package to list and check tricks before any process starts, so no

@@ -18,7 +18,7 @@ from hydra.core.utils import JobReturn, filter_overrides
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
-from ciuic_train.slurm import WORKER_OVERRIDES, Task
+from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task
 
 log = logging.getLogger("ciuic_train")
 

@@ -6,7 +6,7 @@ training code: `Transformer(ModelConfig(**d["model_config"])).load_state_dict(d[
 
 --format hf: a Hugging Face folder (config.json, generation_config.json, model.safetensors,
 sharded above --max-shard-size) that `transformers.AutoModelForCausalLM.from_pretrained`
-loads as DeepseekV3ForCausalLM, and `init_from=` reads back (ciuic_train/hf.py); with the
+loads as DeepseekV3ForCausalLM, and `init_from=` reads back (ciuic_train/checkpoint/hf.py); with the
 run's tokenizer (tokenizer.json, tokenizer_config.json) for `AutoTokenizer`, unless it was bytes.
 """
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-shard-size", default="5GB",
                         help="hf: the largest safetensors file, bytes or e.g. 500MB, 5GB (default 5GB, as transformers)")
     args = parser.parse_args(argv)
-    from ciuic_train.checkpoint import export_model, resolve_resume
+    from ciuic_train.checkpoint.checkpointer import export_model, resolve_resume
 
     try:
         path = resolve_resume(args.checkpoint, Path(args.checkpoint))
@@ -48,10 +48,10 @@ def export_hf(path: Path, out: Path, max_shard_size: str) -> Path:
     """The checkpoint at `path` as a Hugging Face folder; generation_config.json samples as the run did."""
     from omegaconf import OmegaConf
 
-    from ciuic_train.checkpoint import load_model, read_meta
-    from ciuic_train.hf import config_json, generation_config, parse_size, write_hf_folder
+    from ciuic_train.checkpoint.checkpointer import load_model, read_meta
+    from ciuic_train.checkpoint.hf import config_json, generation_config, parse_size, write_hf_folder
     from ciuic_train.model.config import ModelConfig
-    from ciuic_train.tokenizer import export_tokenizer
+    from ciuic_train.data.tokenizer import export_tokenizer
 
     limit = parse_size(max_shard_size)
     config_json(ModelConfig(**read_meta(path)["model"]))  # what transformers cannot express fails before loading

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ciuic_train.files import written_atomically
-from ciuic_train.trackers import Trackers
+from ciuic_train.train.trackers import Trackers
 
 log = logging.getLogger("ciuic_train")
 

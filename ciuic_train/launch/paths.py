@@ -50,10 +50,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from ciuic_train import runlock
+from ciuic_train.launch import runlock
 from ciuic_train.config import Config
 from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError
-from ciuic_train.slurm import WORKER_OVERRIDES, Task, in_slurm_task
+from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task, in_slurm_task
 
 log = logging.getLogger("ciuic_train")
 

@@ -19,6 +19,8 @@ split into (efsdp, ep).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,22 @@ class MeshShape:
 
     def as_dict(self) -> dict[str, int]:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "ep": self.ep}
+
+
+def expected_world(cfg: DistConfig, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(world size, ranks per node) of the job `cfg` describes, before any process group.
+
+    A launcher that started this process says so (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`);
+    otherwise the job will have `dist.nnodes x dist.nproc_per_node` ranks. `--plan` passes
+    an empty `environ`: it describes the config, whatever launched the command.
+    """
+    world_size = int(environ.get("WORLD_SIZE", cfg.nnodes * cfg.nproc_per_node))
+    return world_size, int(environ.get("LOCAL_WORLD_SIZE", cfg.nproc_per_node))
+
+
+def expected_mesh(cfg: DistConfig, n_routed_experts: int, environ: Mapping[str, str] = os.environ) -> MeshShape:
+    """The mesh the job `cfg` describes will resolve to (`expected_world`, `resolve_mesh`)."""
+    return resolve_mesh(cfg, *expected_world(cfg, environ), n_routed_experts)
 
 
 def resolve_mesh(cfg: DistConfig, world_size: int, local_world_size: int, n_routed_experts: int) -> MeshShape:

@@ -4,7 +4,7 @@ Hydra reports configuration mistakes as multi-line messages (or tracebacks) and 
 after it has created a run folder. So before Hydra runs, every job the command line
 describes (one, or each point of a `-m` sweep) is composed and checked here; the first
 mistake is printed as one line and the process exits with status 2, writing nothing.
-How this process was started, and what that asks of it, is `ciuic_train.launch`'s.
+How this process was started, and what that asks of it, is `ciuic_train.launch.paths`'s.
 
 Importing torch takes longer than everything else a command that only prints does, so
 `--help`, `--cfg` and `--list-tricks` never import it (tests/test_cli.py checks).
@@ -40,11 +40,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from ciuic_train import launch, runlock
+from ciuic_train.launch import paths as launch, runlock
 from ciuic_train.config import Config, register_configs, to_config
 from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError, first_line
-from ciuic_train.mesh import check_grad_consistency, refuse_comm_hook, resolve_mesh
-from ciuic_train.slurm import end_stopped_task, in_slurm_task
+from ciuic_train.distributed.mesh import check_grad_consistency, expected_mesh, expected_world, refuse_comm_hook
+from ciuic_train.launch.slurm import end_stopped_task, in_slurm_task
 from ciuic_train.tricks import trick_classes
 
 PROG = "ciuic-train"
@@ -84,8 +84,8 @@ def _hydra_job(cfg: DictConfig) -> float:
 
 
 def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> dict[str, Any]:
-    from ciuic_train.parallel import Parallel, RankInfo, lost_peers_message  # torch only when a job runs
-    from ciuic_train.trainer import Trainer, resolve_device
+    from ciuic_train.distributed.process_group import Parallel, RankInfo, lost_peers_message  # torch only when a job runs
+    from ciuic_train.train.trainer import Trainer, resolve_device
 
     info = RankInfo.from_env()
     if not info.is_main and config.dist.rank_logs:
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             argv += path.overrides_before_check(argv)
             jobs = check_request(argv, path)
             if plan:
-                from ciuic_train.plan import print_plan
+                from ciuic_train.tools.plan import print_plan
 
                 for job in jobs:
                     print_plan(job.config)
@@ -335,7 +335,7 @@ def show_results(summary: dict[str, Any], sample: str | None, prompt: str) -> No
     from rich.console import Console
     from rich.panel import Panel
 
-    from ciuic_train.metrics import summary_table
+    from ciuic_train.train.metrics import summary_table
 
     console = Console()
     console.print(summary_table(summary))
@@ -546,16 +546,14 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
         run_dir, sweep_dir = str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
         config = _job_config(_without_hydra(cfg), overrides)
     if not config_only and check_mesh:
-        world_size = int(os.environ.get("WORLD_SIZE", config.dist.nnodes * config.dist.nproc_per_node))
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", config.dist.nproc_per_node))
-        shape = resolve_mesh(config.dist, world_size, local_world_size, config.model.n_routed_experts)
+        shape = expected_mesh(config.dist, config.model.n_routed_experts)
         hook_tricks = [trick.name for trick in trick_classes(config.trick) if "comm_hook" in trick.claimed_seams()]
         for trick in hook_tricks:
             refuse_comm_hook(trick, shape)
         if config.train.log_grad_consistency:
             check_grad_consistency(shape, hook_tricks[0] if hook_tricks else None)
     if not config_only:
-        from ciuic_train.data import find_sources  # fails fast on a missing corpus, before any folder exists
+        from ciuic_train.data.corpus import find_sources  # fails fast on a missing corpus, before any folder exists
 
         find_sources(config.data)
         _check_resume(config, Path(run_dir))
@@ -576,7 +574,7 @@ def _model_follows_data(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     so the check, --plan and every rank see the same model."""
     given = {override.split("=", 1)[0].lstrip("+~") for override in overrides}
     if "model.vocab_size" not in given and cfg.data.tokenizer != "bytes":  # bytes: the preset's stands
-        from ciuic_train.tokenizer import model_vocab_size
+        from ciuic_train.data.tokenizer import model_vocab_size
 
         size = model_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)
         if size is not None:
@@ -586,10 +584,10 @@ def _model_follows_data(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 def _model_from_init_from(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """With init_from=DIR, the model fields its config.json sets, under the command line's
-    own model.FIELD=... (ciuic_train/hf.py). Applied wherever a job's config is composed,
+    own model.FIELD=... (ciuic_train/checkpoint/hf.py). Applied wherever a job's config is composed,
     after the data's, so the checkpoint's shape wins over a tokenizer's size."""
     if cfg.init_from:
-        from ciuic_train.hf import model_with_init_from
+        from ciuic_train.checkpoint.hf import model_with_init_from
 
         model = model_with_init_from(OmegaConf.to_container(cfg.model, resolve=True), cfg.init_from, overrides)
         for key, value in model.items():
@@ -600,8 +598,8 @@ def _model_from_init_from(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 def _check_init_from(config: Config, run_dir: Path) -> None:
     """Check init_from's tensor names and shapes before Hydra touches the run folder; a run
     that will resume its own checkpoint does not read it."""
-    from ciuic_train.checkpoint import resolve_resume
-    from ciuic_train.hf import check_init_from
+    from ciuic_train.checkpoint.checkpointer import resolve_resume
+    from ciuic_train.checkpoint.hf import check_init_from
 
     if config.init_from and resolve_resume(config.resume, run_dir) is None:
         check_init_from(config.model, Path(config.init_from).expanduser())
@@ -609,12 +607,12 @@ def _check_init_from(config: Config, run_dir: Path) -> None:
 
 def _check_resume(config: Config, run_dir: Path) -> None:
     """Refuse a checkpoint this run cannot continue before Hydra touches its folder."""
-    from ciuic_train.checkpoint import check_resumable, read_meta, resolve_resume, run_fingerprint
+    from ciuic_train.checkpoint.checkpointer import check_resumable, read_meta, resolve_resume, run_fingerprint
 
     path = resolve_resume(config.resume, run_dir)
     if path is None:
         return
-    world_size = int(os.environ.get("WORLD_SIZE", config.dist.nproc_per_node))
+    world_size, _ = expected_world(config.dist)
     expected = run_fingerprint(config.model, list(config.trick), world_size)
     check_resumable(read_meta(path), expected, config.ckpt.allow_trick_change)
 

@@ -3,11 +3,11 @@
 `parallelize(model, mesh, config)` applies, in this order:
 
 1. expert parallelism (`dist.ep > 1`): each rank keeps its slice of the routed experts
-   and the MoE dispatches tokens to them (ciuic_train/expert_parallel.py);
+   and the MoE dispatches tokens to them (ciuic_train/distributed/expert_parallel.py);
 2. activation checkpointing, per transformer block (`activation_checkpointing=true`);
 3. `torch.compile`, per block (`compile=true`), so a compiled block also compiles its
    recomputation;
-4. data parallelism over the mesh (ciuic_train/mesh.py): DDP replicas when
+4. data parallelism over the mesh (ciuic_train/distributed/mesh.py): DDP replicas when
    `dp_shard=1` (with a trick's communication hook if one claims it), else FSDP2
    (`fully_shard` per block, then the root; HSDP when `dp_replicate > 1`). Under FSDP2
    the routed experts are sharded over the ranks that hold the same experts, everything
@@ -31,10 +31,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ciuic_train.config import Config, Precision
-from ciuic_train.mesh import refuse_comm_hook
+from ciuic_train.distributed.mesh import refuse_comm_hook
 
 if TYPE_CHECKING:
-    from ciuic_train.mesh import Mesh
+    from ciuic_train.distributed.mesh import Mesh
     from ciuic_train.tricks import CommHook
 
 log = logging.getLogger("ciuic_train")
@@ -47,7 +47,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, comm_hook: CommHoo
     Checkpoints, counts and sampling keep using `model`.
     """
     if mesh.shape.ep > 1:
-        from ciuic_train.expert_parallel import shard_experts
+        from ciuic_train.distributed.expert_parallel import shard_experts
 
         shard_experts(model, mesh.experts())
     if config.activation_checkpointing:
@@ -133,7 +133,7 @@ def _expert_placement(model: nn.Module, mesh: Mesh):
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
     from torch.distributed.tensor import Shard
 
-    from ciuic_train.expert_parallel import expert_parameters
+    from ciuic_train.distributed.expert_parallel import expert_parameters
 
     copies = mesh.expert_copies()
     info = (

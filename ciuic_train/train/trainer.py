@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ciuic_train.checkpoint import (
+from ciuic_train.checkpoint.checkpointer import (
     Checkpointer,
     check_resumable,
     complete_checkpoints,
@@ -43,7 +43,7 @@ from ciuic_train.checkpoint import (
     run_fingerprint,
 )
 from ciuic_train.config import Config, Device, OnNonFinite, Precision
-from ciuic_train.data import (
+from ciuic_train.data.corpus import (
     WindowSampler,
     eval_indices,
     get_batch,
@@ -54,16 +54,16 @@ from ciuic_train.data import (
 )
 from ciuic_train.errors import RunFailed, UserError, first_line
 from ciuic_train.files import write_json_atomic
-from ciuic_train.hf import load_hf_weights
-from ciuic_train.loop import Cadence, LossWatch, StepCheck, StopRequest, Throughput, inject_fault, poison_loss
-from ciuic_train.mesh import check_grad_consistency
-from ciuic_train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
+from ciuic_train.checkpoint.hf import load_hf_weights
+from ciuic_train.train.loop import Cadence, LossWatch, StepCheck, StopRequest, Throughput, inject_fault, poison_loss
+from ciuic_train.distributed.mesh import check_grad_consistency
+from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters, generate
 from ciuic_train.model.deepseek import IGNORE_INDEX
-from ciuic_train.optim import LrSchedule, build_optimizer
-from ciuic_train.parallel import Parallel, clip_grad_norm_, param_bytes, param_checksum
-from ciuic_train.parallelize import parallelize
-from ciuic_train.trackers import Trackers
+from ciuic_train.train.optim import LrSchedule, build_optimizer
+from ciuic_train.distributed.process_group import Parallel, clip_grad_norm_, param_bytes, param_checksum
+from ciuic_train.distributed.parallelize import parallelize
+from ciuic_train.train.trackers import Trackers
 from ciuic_train.tricks import TrickContext, build_tricks
 
 log = logging.getLogger("ciuic_train")

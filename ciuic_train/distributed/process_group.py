@@ -4,7 +4,7 @@ The trainer sees one `Parallel` object whatever the world size: with one process
 no process group and every collective is the identity, so single-process training needs
 nothing from torch.distributed. Rank, local rank and world size come from the launcher's
 environment (torchrun, the CLI's own elastic launcher, or Slurm). How the model is
-spread over the ranks is `ciuic_train/parallelize.py`.
+spread over the ranks is `ciuic_train/distributed/parallelize.py`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torch import nn
 
 from ciuic_train.config import Backend, DistConfig
 from ciuic_train.errors import UserError
-from ciuic_train.launch import uses_agent_store
-from ciuic_train.mesh import Mesh, resolve_mesh
+from ciuic_train.launch.paths import uses_agent_store
+from ciuic_train.distributed.mesh import Mesh, resolve_mesh
 
 log = logging.getLogger("ciuic_train")
 
@@ -273,7 +273,7 @@ def param_bytes(model: nn.Module) -> dict[str, int]:
     under FSDP or expert parallelism)."""
     from torch.distributed.tensor import DTensor
 
-    from ciuic_train.expert_parallel import expert_parameters
+    from ciuic_train.distributed.expert_parallel import expert_parameters
 
     experts = expert_parameters(model)
     stored = {"experts": 0, "other": 0}

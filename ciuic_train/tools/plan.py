@@ -1,7 +1,7 @@
 """`ciuic-train ... --plan`: what a config would build, per rank, without allocating or training.
 
 The model is built on the meta device (shapes, no memory), the mesh is resolved as the
-trainer would resolve it (`resolve_mesh`, on `dist.nnodes * dist.nproc_per_node` ranks),
+trainer would resolve it (`expected_mesh`: `dist.nnodes * dist.nproc_per_node` ranks),
 and every figure below follows from the parameter shapes, the mesh, `train.batch_size`,
 `train.seq_len`, `train.grad_accum`, `precision`, `device` and `activation_checkpointing`.
 `plan_figures(config)` returns them as a dict (bytes, per rank); `print_plan(config)`
@@ -134,7 +134,7 @@ from typing import TYPE_CHECKING, Any
 
 from ciuic_train.config import Config, Device, Precision
 from ciuic_train.files import format_bytes
-from ciuic_train.mesh import MeshShape, resolve_mesh
+from ciuic_train.distributed.mesh import MeshShape, expected_mesh
 
 if TYPE_CHECKING:
     from torch import nn
@@ -178,9 +178,7 @@ def build_meta_model(config: Config) -> nn.Module:
 
 
 def resolve_plan_mesh(config: Config) -> MeshShape:
-    dist = config.dist
-    world = dist.nnodes * dist.nproc_per_node
-    return resolve_mesh(dist, world, local_world_size=dist.nproc_per_node, n_routed_experts=config.model.n_routed_experts)
+    return expected_mesh(config.dist, config.model.n_routed_experts, environ={})
 
 
 def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, Any]:
@@ -266,7 +264,7 @@ class Unit:
 
 def _units(model: nn.Module, mesh: MeshShape) -> list[Unit]:
     """The blocks in order, then the MTP depths, then the root (everything neither holds)."""
-    from ciuic_train.expert_parallel import expert_parameters
+    from ciuic_train.distributed.expert_parallel import expert_parameters
 
     experts = {id(p) for p in expert_parameters(model)}
     in_blocks: set[int] = set()

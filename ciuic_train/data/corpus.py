@@ -39,7 +39,7 @@ import torch
 from ciuic_train.config import DataConfig
 from ciuic_train.errors import UserError
 from ciuic_train.files import write_json_atomic, written_atomically
-from ciuic_train.tokenizer import (
+from ciuic_train.data.tokenizer import (
     BPE,
     BYTES,
     TOKENIZER_CONFIG_FILE,

@@ -1,0 +1,1 @@
+"""Checkpoints: DCP save and resume, Hugging Face names and folders, export."""

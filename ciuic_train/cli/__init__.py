@@ -1,0 +1,1 @@
+"""CLI: flags and help, sweeps, pre-flight checks, the job runner."""

@@ -1,0 +1,1 @@
+"""Corpora, their token cache, tokenizers, and the sampler that cuts training windows."""

@@ -1,0 +1,1 @@
+"""Commands that read a config or a sweep without training: the memory plan, the ablation report."""
