@@ -36,7 +36,7 @@ from rich.table import Table
 
 from ciuic_train.config import Config, Precision, register_configs, to_config
 from ciuic_train.model import Transformer
-from ciuic_train.model.deepseek import training_flops_per_token
+from ciuic_train.model.counting import training_flops_per_token
 from ciuic_train.train.optim import build_optimizer
 from ciuic_train.train.trainer import Trainer
 

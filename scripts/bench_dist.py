@@ -50,7 +50,7 @@ Two questions, one run:
      mark. The figure is each rank's peak RSS (VmHWM) and its growth past the point where
      the worker had imported everything and composed the config, i.e. what building the
      model, the process group's mesh, the optimizer and training cost. Parameter bytes
-     per rank are `ciuic_train.distributed.process_group.param_bytes`. (torch has no CPU allocator
+     per rank are `ciuic_train.distributed.params.param_bytes`. (torch has no CPU allocator
      statistics to read instead.)
 
     python scripts/bench_dist.py --ep [--model bench] [--batch-size 8] [--ep-steps 20]
@@ -111,7 +111,8 @@ from bench import results_console
 from netns_claims import kill_group
 from ciuic_train.launch.paths import quote_override
 from ciuic_train.config import register_configs, to_config
-from ciuic_train.distributed.process_group import Parallel, param_bytes
+from ciuic_train.distributed.params import param_bytes
+from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.train.trainer import Trainer
 
 NPROC = 2

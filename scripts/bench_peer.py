@@ -58,9 +58,9 @@ from rich.table import Table
 
 from bench import matmul_peak as square_peaks, results_console  # this script's folder is on sys.path
 from ciuic_train.errors import UserError
-from ciuic_train.checkpoint.hf import config_json
+from ciuic_train.checkpoint.hf_config import config_json
 from ciuic_train.model import ModelConfig, Transformer, count_parameters
-from ciuic_train.model.deepseek import training_flops_per_token
+from ciuic_train.model.counting import training_flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("ours", "hf_eager", "hf_grouped_mm", "ours_reference")
@@ -79,7 +79,7 @@ def peer_model(cfg: ModelConfig, experts: str) -> torch.nn.Module:
     """transformers' DeepseekV3ForCausalLM with exactly our shape; `experts` is eager or grouped_mm."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    try:  # our config.json (ciuic_train/checkpoint/hf.py), so both models compute the same function
+    try:  # our config.json (ciuic_train/checkpoint/hf_config.py), so both models compute the same function
         fields = config_json(cfg)
     except UserError as err:
         raise SystemExit(str(err)) from None
@@ -92,10 +92,11 @@ def peer_model(cfg: ModelConfig, experts: str) -> torch.nn.Module:
 
 
 @lru_cache(maxsize=None)
-def model_module_at(revision: str):
-    """The model of a git revision, beside today's: its `ciuic_train/model/` package (the
-    model file and, from the split on, the kernels it imports) copied out of git under a
-    package name of its own, its imports of `ciuic_train.model` pointed at the copy."""
+def model_package_at(revision: str):
+    """The model of a git revision, beside today's: its `ciuic_train/model/` package copied
+    out of git under a package name of its own, its imports of `ciuic_train.model` pointed
+    at the copy. Its `Transformer` comes from the package, which has exported it in every
+    layout (one deepseek.py, then one file per part)."""
     package = "model_at_" + re.sub(r"\W", "_", revision)
     root = Path(tempfile.mkdtemp())
     atexit.register(shutil.rmtree, root, ignore_errors=True)
@@ -109,7 +110,7 @@ def model_module_at(revision: str):
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(git("show", f"{revision}:{name}").replace("ciuic_train.model", package))
     sys.path.insert(0, str(root))
-    return importlib.import_module(f"{package}.deepseek")
+    return importlib.import_module(package)
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -164,7 +165,7 @@ def build(name: str, cfg: ModelConfig, precision: str, batch: int, seq: int) -> 
     if hf:
         model = peer_model(cfg, name.removeprefix("hf_"))
     elif name.startswith(BASELINE_PREFIX):
-        model = model_module_at(name.removeprefix(BASELINE_PREFIX)).Transformer(cfg)
+        model = model_package_at(name.removeprefix(BASELINE_PREFIX)).Transformer(cfg)
     else:
         model = Transformer(replace(cfg, kernels="reference") if name == "ours_reference" else cfg)
         if name == "ours_compile":

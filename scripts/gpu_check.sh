@@ -245,7 +245,7 @@ def bench_config(args):
 def params(args):
     import torch
     from ciuic_train.model import Transformer, count_parameters
-    from ciuic_train.model.deepseek import training_flops_per_token
+    from ciuic_train.model.counting import training_flops_per_token
     _, parsed, config = bench_config(args)
     with torch.device("meta"):
         model = Transformer(config.model)
@@ -301,7 +301,7 @@ def mfu_lines(tokens_per_s, flops, label, precision):
 def bare(args):
     import torch
     from ciuic_train.model import Transformer
-    from ciuic_train.model.deepseek import training_flops_per_token
+    from ciuic_train.model.counting import training_flops_per_token
     bench, parsed, config = bench_config(args)
     with torch.device("meta"):
         flops = training_flops_per_token(Transformer(config.model), parsed.seq_len)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ciuic_train.checkpoint.checkpointer import check_resumable
+from ciuic_train.checkpoint.resume import check_resumable
 from ciuic_train.errors import UserError
 from ciuic_train.model import ModelConfig, Transformer
 from ciuic_train.train.trainer import Trainer

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_train.cli.main import check_request, parse_hydra_command_line
+from ciuic_train.cli.flags import parse_hydra_command_line
+from ciuic_train.cli.preflight import check_request
 from ciuic_train.errors import UserError
 from ciuic_train.tricks import registry
 from conftest import run_cli
@@ -172,3 +173,31 @@ def test_a_mistake_found_inside_the_job_removes_the_fresh_run_folder(tmp_path: P
     assert "model.vocab_size=256; set model.vocab_size=301 or more" in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stdout + result.stderr
     assert not run_dir.exists()
+
+
+def test_the_world_size_is_the_launchers_else_nodes_times_ranks_per_node():
+    from ciuic_train.distributed.mesh import expected_world
+    from conftest import compose_config
+
+    dist = compose_config("dist.nnodes=3", "dist.nproc_per_node=2").dist
+    assert expected_world(dist, environ={}) == (6, 2)
+    assert expected_world(dist, environ={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1"}) == (4, 1)
+
+
+def test_the_resume_check_counts_every_node_s_ranks(tmp_path: Path, text_corpus: Path, monkeypatch):
+    """A checkpoint of 2 ranks whose trick state cannot be resharded resumes on
+    dist.nnodes=2 x dist.nproc_per_node=1 ranks, and only there."""
+    from ciuic_train.checkpoint.resume import run_fingerprint
+
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    base = ["model=tiny", "data=text", f"data.path={text_corpus}", "+trick=chaotic_sampler", "dist.nproc_per_node=1"]
+    (job,) = check_request(base, config_only=True)
+    step = tmp_path / "old_run" / "checkpoints" / "step_10"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps(run_fingerprint(job.config.model, ["chaotic_sampler"], 2)))
+    resume = [*base, f"resume={step}", f"hydra.run.dir={tmp_path / 'run'}"]
+    (job,) = check_request([*resume, "dist.nnodes=2"])
+    assert job.config.dist.nnodes == 2
+    with pytest.raises(UserError, match="checkpoint was written by 2 ranks, this run has 1: the state of its tricks"):
+        check_request([*resume, "dist.nnodes=1"])

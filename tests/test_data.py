@@ -5,14 +5,9 @@ import pytest
 import torch
 
 from ciuic_train.config import DataConfig
-from ciuic_train.data.corpus import (
-    WindowSampler,
-    eval_indices,
-    find_sources,
-    get_batch,
-    load_tokens,
-    unigram_entropy,
-)
+from ciuic_train.data.corpus import load_tokens, unigram_entropy
+from ciuic_train.data.sampler import WindowSampler, eval_indices, get_batch
+from ciuic_train.data.sources import find_sources
 from ciuic_train.errors import UserError
 
 

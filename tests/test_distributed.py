@@ -182,11 +182,11 @@ def test_ddp_takes_its_bucket_size_from_the_config(tmp_path):
     import torch.distributed as dist
 
     from ciuic_train.distributed.mesh import Mesh, MeshShape
-    from ciuic_train.distributed.parallelize import replicate
+    from ciuic_train.distributed.data_parallel import replicate_with_ddp
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        replica = replicate(torch.nn.Linear(4, 4), Mesh(MeshShape(), torch.device("cpu")), None, bucket_mb=0.5)
+        replica = replicate_with_ddp(torch.nn.Linear(4, 4), Mesh(MeshShape(), torch.device("cpu")), None, bucket_mb=0.5)
         assert replica.bucket_bytes_cap == 512 * 1024
     finally:
         dist.destroy_process_group()

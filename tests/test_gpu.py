@@ -20,7 +20,8 @@ import torch
 from omegaconf import OmegaConf
 
 from ciuic_train.model import ModelConfig, Transformer
-from ciuic_train.model import deepseek
+from ciuic_train.model.attention import causal_attention
+from ciuic_train.model.common import grouped_mm_supported, grouped_swiglu, swiglu_per_expert
 from ciuic_train.model.kernels import attention, moe
 from ciuic_train.train.trainer import Trainer
 from conftest import compose_config
@@ -115,7 +116,7 @@ def test_bf16_autocast_on_cuda_stays_close_to_fp32_on_cuda(kernels, monkeypatch,
     low = {n: round(c, 5) for n, c in cosines.items() if not c > 0.99}
     assert not low, f"gradients with cosine similarity <= 0.99 between bf16 and fp32: {low}"
     if torch.cuda.get_device_capability() >= (8, 0) and hasattr(torch, "_grouped_mm"):
-        assert deepseek.grouped_mm_supported(idx, torch.bfloat16)
+        assert grouped_mm_supported(idx, torch.bfloat16)
         assert grouped_calls, "bf16 on sm80+ should run the routed experts on torch._grouped_mm"
     print(f"torch._grouped_mm calls in the bf16 forward and backward: {len(grouped_calls)}")
 
@@ -168,7 +169,7 @@ def expert_inputs(counts: list[int], dim: int = 64, hidden: int = 48):
 
 
 @needs_sm80
-@pytest.mark.parametrize("experts", [deepseek.grouped_swiglu, moe.routed_experts], ids=["reference", "auto"])
+@pytest.mark.parametrize("experts", [grouped_swiglu, moe.routed_experts], ids=["reference", "auto"])
 def test_grouped_mm_on_cuda_matches_the_per_expert_loop_forward_and_grads(experts, monkeypatch, no_tf32):
     """bf16 grouped matmul vs the loop over experts on the same bf16 operands, with experts
     that get no token first, in the middle and last: their gradients must be exactly zero."""
@@ -176,7 +177,7 @@ def test_grouped_mm_on_cuda_matches_the_per_expert_loop_forward_and_grads(expert
     counts = [0, 7, 1, 70, 3, 9, 0, 4, 4, 0]
     idle = [e for e, c in enumerate(counts) if c == 0]
     x, w13, w2, counts_t, grad_out = expert_inputs(counts)
-    assert deepseek.grouped_mm_supported(x, torch.bfloat16), "CUDA bf16 on sm80+ should take the grouped matmul"
+    assert grouped_mm_supported(x, torch.bfloat16), "CUDA bf16 on sm80+ should take the grouped matmul"
     calls = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or grouped_mm(*a, **kw))
@@ -188,9 +189,9 @@ def test_grouped_mm_on_cuda_matches_the_per_expert_loop_forward_and_grads(expert
     got = (out, *torch.autograd.grad(out, (x, w13, w2), grad_out.to(out.dtype)))
 
     bf16 = [t.to(torch.bfloat16) for t in (x, w13, w2)]  # the same operands the grouped path multiplies
-    loop = deepseek.swiglu_per_expert(bf16[0], counts_t, bf16[1], bf16[2])
+    loop = swiglu_per_expert(bf16[0], counts_t, bf16[1], bf16[2])
     expected = (loop, *torch.autograd.grad(loop, (x, w13, w2), grad_out.to(loop.dtype)))
-    fp32_loop = deepseek.swiglu_per_expert(x, counts_t, w13, w2)
+    fp32_loop = swiglu_per_expert(x, counts_t, w13, w2)
     fp32 = (fp32_loop, *torch.autograd.grad(fp32_loop, (x, w13, w2), grad_out))
 
     for name, a, b, c in zip(("out", "grad x", "grad w13", "grad w2"), got, expected, fp32):
@@ -211,7 +212,7 @@ def test_grouped_mm_on_cuda_matches_the_per_expert_loop_forward_and_grads(expert
 # (qk head dim, v head dim): model=tiny's (16 + 8, 16) and DeepSeek-V2/V3's (128 + 64, 128).
 HEAD_DIMS = [pytest.param(24, 16, id="tiny-qk24-v16"), pytest.param(192, 128, id="deepseek-qk192-v128")]
 ATTENTIONS = [
-    pytest.param(deepseek.causal_attention, id="reference"),
+    pytest.param(causal_attention, id="reference"),
     pytest.param(attention.causal_attention, id="auto"),
 ]
 
@@ -266,7 +267,7 @@ def test_auto_attention_runs_a_fused_sdpa_kernel_on_cuda(qk_dim, v_dim):
     """The point of `padded_sdpa`: equal head dims keep SDPA off its unfused math path."""
     q, k, v, grad_out = attention_inputs(qk_dim, v_dim)
     auto_ops = sdpa_ops(attention.causal_attention, q, k, v, grad_out)
-    reference_ops = sdpa_ops(deepseek.causal_attention, q, k, v, grad_out)
+    reference_ops = sdpa_ops(causal_attention, q, k, v, grad_out)
     print(f"qk {qk_dim} / v {v_dim}, default backend choice in bf16:")
     print(f"  auto (padded):        {auto_ops}")
     print(f"  reference (unpadded): {reference_ops}")
@@ -332,7 +333,7 @@ def test_which_sdpa_backends_serve_each_attention(qk_dim, v_dim, no_tf32):
     table, wrong = {}, []
     for backend_name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
         backend = getattr(SDPBackend, backend_name, None)
-        for label, attend in (("auto", attention.causal_attention), ("reference", deepseek.causal_attention)):
+        for label, attend in (("auto", attention.causal_attention), ("reference", causal_attention)):
             if backend is None:
                 table[label, backend_name] = "not in this torch"
                 continue

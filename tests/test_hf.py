@@ -19,20 +19,13 @@ from safetensors.torch import load_file, save_file
 from conftest import torchrun, write_text_corpus
 from ciuic_train.checkpoint import export
 from ciuic_train.cli import main as cli
-from ciuic_train.cli.main import _model_from_init_from
+from ciuic_train.cli.compose import _model_from_init_from
 from ciuic_train.config import to_config
-from ciuic_train.data.corpus import WindowSampler
+from ciuic_train.data.sampler import WindowSampler
 from ciuic_train.errors import UserError
-from ciuic_train.checkpoint.hf import (
-    INDEX_FILE,
-    check_init_from,
-    config_json,
-    hf_name,
-    load_hf_weights,
-    model_fields,
-    parse_size,
-    write_hf_folder,
-)
+from ciuic_train.checkpoint.export import parse_size, write_hf_folder
+from ciuic_train.checkpoint.hf_config import config_json, model_fields
+from ciuic_train.checkpoint.hf_weights import INDEX_FILE, check_init_from, hf_name, load_hf_weights
 from ciuic_train.model import Transformer
 from ciuic_train.model.config import ModelConfig
 from ciuic_train.train.trainer import Trainer
@@ -141,23 +134,23 @@ def test_a_run_started_from_the_export_takes_its_first_step_from_those_weights(e
     assert trainer.train_step()["loss"] == pytest.approx(expected, abs=1e-5)
 
 
-def test_a_sharded_export_loads_the_same(plain, tmp_path, caplog):
+def test_an_export_split_into_files_loads_the_same(plain, tmp_path, caplog):
     model, folder, _ = plain
-    sharded = tmp_path / "sharded"
-    export.main([str(folder.parent), "--format", "hf", "--out", str(sharded), "--max-shard-size", "20KB"])
-    index = json.loads((sharded / INDEX_FILE).read_text())
-    files = sorted(p.name for p in sharded.glob("*.safetensors"))
+    split = tmp_path / "split"
+    export.main([str(folder.parent), "--format", "hf", "--out", str(split), "--max-shard-size", "20KB"])
+    index = json.loads((split / INDEX_FILE).read_text())
+    files = sorted(p.name for p in split.glob("*.safetensors"))
     assert len(files) > 3 and set(index["weight_map"].values()) == set(files)
     for file in files:  # at most 20KB of tensors, or one larger tensor alone
-        tensors = load_file(sharded / file).values()
+        tensors = load_file(split / file).values()
         assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors) <= 20_000
-    twin, info, warnings = load_transformers(sharded, caplog)
+    twin, info, warnings = load_transformers(split, caplog)
     assert not info["unexpected_keys"] and not info["missing_keys"] and not warnings
     idx = fixed_batch()
     with torch.no_grad():
         assert (model(idx) - twin(idx).logits).abs().max().item() < 1e-5
     fresh = Transformer(model.config)
-    load_hf_weights(fresh, sharded)
+    load_hf_weights(fresh, split)
     for (name, ours), theirs in zip(fresh.state_dict().items(), model.state_dict().values()):
         assert torch.equal(ours, theirs), name
 
@@ -250,7 +243,7 @@ def test_what_transformers_cannot_express_is_one_line_naming_the_field():
 
 
 @pytest.mark.parametrize("text, size", [("123", 123), ("5GB", 5 * 10**9), ("2MiB", 2 * 2**20), ("1.5kb", 1500)])
-def test_shard_sizes_read_as_transformers_reads_them(text, size):
+def test_max_shard_sizes_read_as_transformers_reads_them(text, size):
     assert parse_size(text) == size
 
 

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from ciuic_train.model import ModelConfig, Transformer
-from ciuic_train.model import deepseek
-from ciuic_train.model.deepseek import REFERENCE, kernels_for
+from ciuic_train.model.attention import causal_attention
+from ciuic_train.model.common import grouped_mm_supported, grouped_swiglu
+from ciuic_train.model.norm import rms_norm
+from ciuic_train.model.transformer import REFERENCE, kernels_for, lm_cross_entropy
 from ciuic_train.model.kernels import AUTO, attention, loss, moe, norm
 from ciuic_train.model.kernels.softmax import softmax_fp32
 
@@ -34,8 +36,8 @@ def test_the_switch_picks_the_table():
     for field in ("rms_norm", "attention", "routed_experts", "loss"):
         assert getattr(AUTO, field) is not getattr(REFERENCE, field), field
     model = tiny_model(kernels="reference")
-    assert model.layers[0].attn_norm.kernel is deepseek.rms_norm
-    assert model.layers[1].ffn.routed_experts is deepseek.grouped_swiglu
+    assert model.layers[0].attn_norm.kernel is rms_norm
+    assert model.layers[1].ffn.routed_experts is grouped_swiglu
 
 
 # --- the whole model ------------------------------------------------------------------------
@@ -99,7 +101,7 @@ def written_out_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-@pytest.mark.parametrize("norm", [deepseek.rms_norm, norm.rms_norm], ids=["reference", "kernel"])
+@pytest.mark.parametrize("norm", [rms_norm, norm.rms_norm], ids=["reference", "kernel"])
 def test_rms_norm_matches_its_formula_forward_and_grads(norm):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 16, generator=generator, dtype=torch.float64, requires_grad=True)
@@ -113,7 +115,7 @@ def test_rms_norm_matches_its_formula_forward_and_grads(norm):
         torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("norm", [deepseek.rms_norm, norm.rms_norm], ids=["reference", "kernel"])
+@pytest.mark.parametrize("norm", [rms_norm, norm.rms_norm], ids=["reference", "kernel"])
 def test_rms_norm_of_bf16_is_computed_in_fp32_and_returned_in_bf16(norm):
     x = (torch.randn(4, 64) * 1e3).bfloat16().requires_grad_()  # squares overflow nothing in fp32
     weight = torch.ones(64, requires_grad=True)
@@ -154,7 +156,7 @@ def written_out_attention(q, k, v, scale):
 @pytest.mark.parametrize(
     ("attend", "seq"),
     [
-        (deepseek.causal_attention, 10),
+        (causal_attention, 10),
         (attention.padded_sdpa, 10),
         (attention.blocked_attention, 10),  # one block
         (partial(attention.blocked_attention, block_rows=4), 10),  # 4 + 4 + 2
@@ -177,7 +179,7 @@ def test_every_attention_matches_the_written_out_formula_forward_and_grads(atten
 
 @pytest.mark.parametrize(
     "attend",
-    [deepseek.causal_attention, attention.causal_attention, partial(attention.blocked_attention, block_rows=4)],
+    [causal_attention, attention.causal_attention, partial(attention.blocked_attention, block_rows=4)],
 )
 def test_bf16_autocast_attention_matches_the_written_out_formula_forward_and_grads(attend):
     generator = torch.Generator().manual_seed(0)
@@ -216,7 +218,7 @@ def test_mla_on_cpu_scores_only_the_causal_blocks(monkeypatch):
 
 
 needs_grouped_mm = pytest.mark.skipif(
-    not deepseek.grouped_mm_supported(torch.zeros(1), torch.float32),
+    not grouped_mm_supported(torch.zeros(1), torch.float32),
     reason="torch._grouped_mm has no CPU kernel here",
 )
 
@@ -233,7 +235,7 @@ def test_routed_experts_kernel_matches_the_reference_forward_and_grads(precision
     w2 = (torch.randn(8, 16, 24, generator=generator) * 0.3).requires_grad_()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     results = []
-    for experts in (moe.routed_experts, deepseek.grouped_swiglu):
+    for experts in (moe.routed_experts, grouped_swiglu):
         with autocast:
             out = experts(x, counts, w13, w2)
         grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
@@ -300,7 +302,7 @@ def test_bf16_chunked_loss_matches_the_reference_loss_forward_and_grads(reductio
     targets = torch.randint(0, 40, (50,), generator=generator)
     targets[3:7] = -100
     results = []
-    for lm_loss in (loss.linear_cross_entropy, deepseek.lm_cross_entropy):
+    for lm_loss in (loss.linear_cross_entropy, lm_cross_entropy):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             value = lm_loss(h, weight, targets, reduction)
         assert value.dtype == torch.float32

@@ -11,7 +11,7 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from ciuic_train.launch import paths as launch
-from ciuic_train.cli.main import check_request
+from ciuic_train.cli.preflight import check_request
 from ciuic_train.errors import UserError
 from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task
 

@@ -8,21 +8,16 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from ciuic_train.checkpoint.hf import config_json, exported_names
+from ciuic_train.checkpoint.hf_config import config_json
+from ciuic_train.checkpoint.hf_weights import exported_names
 from ciuic_train.model import ModelConfig, Transformer, count_mtp_parameters, count_parameters, generate
 from ciuic_train.model.config import IMPLEMENTATION_FIELDS
-from ciuic_train.model.deepseek import (
-    REFERENCE,
-    MoE,
-    MultiHeadLatentAttention,
-    apply_rope,
-    grouped_mm_supported,
-    grouped_swiglu,
-    kernels_for,
-    rope_tables,
-    swiglu_per_expert,
-    training_flops_per_token,
-)
+from ciuic_train.model.attention import MultiHeadLatentAttention
+from ciuic_train.model.common import grouped_mm_supported, grouped_swiglu, swiglu_per_expert
+from ciuic_train.model.counting import training_flops_per_token
+from ciuic_train.model.moe import MoE
+from ciuic_train.model.rope import apply_rope, rope_tables
+from ciuic_train.model.transformer import REFERENCE, kernels_for
 
 REPO = Path(__file__).parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -630,7 +625,7 @@ def test_rope_scaling_none_keeps_the_plain_tables_and_softmax_scale_bit_identica
 
 def transformers_twin(model: Transformer):
     """transformers' DeepseekV3ForCausalLM with `model`'s shape, RoPE and weights, eager throughout,
-    through the names and config.json of ciuic_train/checkpoint/hf.py."""
+    through the names and config.json of ciuic_train/checkpoint/hf_weights.py and hf_config.py."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     assert model.config.score_func == "sigmoid", "transformers' DeepseekV3 routes with sigmoid scores only"
     config = transformers.DeepseekV3Config.from_dict(

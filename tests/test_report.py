@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ciuic_train.tools import report
+from ciuic_train.tools import report, report_figures, report_stats
 from ciuic_train.errors import UserError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -66,7 +66,7 @@ def group(data, name):
 )
 def test_t_two_sided_p_matches_known_values(t, df, p):
     # df=2 has the closed form 1 - t / sqrt(2 + t^2).
-    assert report.t_two_sided_p(t, df) == pytest.approx(p, abs=1e-5)
+    assert report_stats.t_two_sided_p(t, df) == pytest.approx(p, abs=1e-5)
 
 
 def test_t_two_sided_p_fractional_df_matches_integrated_density():
@@ -78,28 +78,28 @@ def test_t_two_sided_p_fractional_df_matches_integrated_density():
     log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
     pdf = np.exp(log_norm - (df + 1) / 2 * np.log1p(x * x / df))
     tail = float(np.sum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x)))
-    assert report.t_two_sided_p(t, df) == pytest.approx(2 * tail, abs=1e-6)
+    assert report_stats.t_two_sided_p(t, df) == pytest.approx(2 * tail, abs=1e-6)
 
 
 def test_t_cdf_and_quantile_are_inverse():
-    assert report.t_cdf(-1.0, 1) == pytest.approx(0.25, abs=1e-12)  # Cauchy: 1/2 + atan(t)/pi
-    assert report.t_quantile(0.975, 10) == pytest.approx(2.228139, abs=1e-5)
-    assert report.t_quantile(0.975, 1e6) == pytest.approx(1.959966, abs=1e-4)
+    assert report_stats.t_cdf(-1.0, 1) == pytest.approx(0.25, abs=1e-12)  # Cauchy: 1/2 + atan(t)/pi
+    assert report_stats.t_quantile(0.975, 10) == pytest.approx(2.228139, abs=1e-5)
+    assert report_stats.t_quantile(0.975, 1e6) == pytest.approx(1.959966, abs=1e-4)
 
 
 def test_betainc_closed_forms():
-    assert report.betainc(1.0, 1.0, 0.3) == pytest.approx(0.3)  # uniform
-    assert report.betainc(2.0, 1.0, 0.3) == pytest.approx(0.09)  # x^2
-    assert report.betainc(0.5, 0.5, 0.5) == pytest.approx(0.5)
+    assert report_stats.betainc(1.0, 1.0, 0.3) == pytest.approx(0.3)  # uniform
+    assert report_stats.betainc(2.0, 1.0, 0.3) == pytest.approx(0.09)  # x^2
+    assert report_stats.betainc(0.5, 0.5, 0.5) == pytest.approx(0.5)
 
 
 def test_welch_df_by_hand():
     # s1^2=4, n1=5; s2^2=9, n2=10: (0.8 + 0.9)^2 / (0.64/4 + 0.81/9) = 2.89 / 0.25 = 11.56
-    assert report.welch_df(4.0, 5, 9.0, 10) == pytest.approx(11.56)
-    test = report.welch_test([1.0, 2.0, 3.0], [2.0, 4.0, 6.0])
+    assert report_stats.welch_df(4.0, 5, 9.0, 10) == pytest.approx(11.56)
+    test = report_stats.welch_test([1.0, 2.0, 3.0], [2.0, 4.0, 6.0])
     assert test.diff == pytest.approx(-2.0)
     assert test.df == pytest.approx(2.0 * (1 / 3 + 4 / 3) ** 2 / ((1 / 3) ** 2 + (4 / 3) ** 2))
-    assert test.p == pytest.approx(report.t_two_sided_p(-2.0 / math.sqrt(5 / 3), test.df))
+    assert test.p == pytest.approx(report_stats.t_two_sided_p(-2.0 / math.sqrt(5 / 3), test.df))
 
 
 def test_planted_effect_helps(tmp_path):
@@ -155,7 +155,7 @@ def test_one_seed_and_no_baseline(tmp_path):
     write_job(tmp_path, 0, ["a"], 0, 4.0)
     write_job(tmp_path, 1, ["b"], 0, 4.1)
     data = report.run(tmp_path, None, None)
-    assert {g["vs_baseline"]["verdict"] for g in data["groups"]} == {report.NO_BASELINE}
+    assert {g["vs_baseline"]["verdict"] for g in data["groups"]} == {report_figures.NO_BASELINE}
     data = report.run(tmp_path, None, "a")
     assert group(data, "b")["vs_baseline"]["verdict"].startswith("n/a (n=1 vs 1")
     with pytest.raises(UserError, match="no such group"):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import run_cli, torchrun, write_text_corpus
-from ciuic_train.checkpoint.checkpointer import check_resumable, export_model
+from ciuic_train.checkpoint.export import export_model
+from ciuic_train.checkpoint.resume import check_resumable
 from ciuic_train.config import DistConfig, Strategy
 from ciuic_train.errors import UserError
 from ciuic_train.distributed.mesh import MeshShape, resolve_mesh

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_train.cli.main import check_request
+from ciuic_train.cli.preflight import check_request
 from ciuic_train.config import DistConfig
 from ciuic_train.errors import UserError
 from conftest import run_cli

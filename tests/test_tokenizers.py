@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ciuic_train.data import corpus as data_module
-from ciuic_train.checkpoint.checkpointer import read_meta
-from ciuic_train.cli.main import check_request
+from ciuic_train.data import token_cache
+from ciuic_train.checkpoint.resume import read_meta
+from ciuic_train.cli.preflight import check_request
 from ciuic_train.config import DataConfig
-from ciuic_train.data.corpus import load_tokens, run_tokenizer_file
+from ciuic_train.data.corpus import load_tokens
 from ciuic_train.errors import UserError
 from ciuic_train.checkpoint.export import main as export_main
-from ciuic_train.data.tokenizer import split_text, token_dtype
+from ciuic_train.data.tokenizer import run_tokenizer_file, split_text, token_dtype
 from ciuic_train.train.trainer import Trainer
 from conftest import compose_config
 
@@ -72,7 +72,7 @@ def test_bpe_is_trained_once_cached_by_corpus_and_size_and_deterministic(bpe, co
     decoded = splits.tokenizer.decode(splits.train.tolist()) + splits.tokenizer.decode(splits.val.tolist())
     assert sorted(decoded.split("\n\n")) == sorted(text.split("\n\n"))
     # Cached: a second load trains nothing.
-    monkeypatch.setattr(data_module, "train_bpe", lambda *a: pytest.fail("the BPE was trained again"))
+    monkeypatch.setattr(token_cache, "train_bpe", lambda *a: pytest.fail("the BPE was trained again"))
     again = load_tokens(cfg)
     assert np.array_equal(again.train, splits.train) and again.tokenizer.to_str() == splits.tokenizer.to_str()
     monkeypatch.undo()
@@ -170,12 +170,12 @@ def test_data_tokens_reads_uint32_by_data_dtype_and_refuses_contradictions(tmp_p
 
 def build_in_child(cfg, log_file, out):
     """One of two processes asking for the same BPE entry at once (as two ranks do)."""
-    def counting_train(texts, size, _train=data_module.train_bpe):
+    def counting_train(texts, size, _train=token_cache.train_bpe):
         with open(log_file, "a") as f:
             f.write(f"{os.getpid()}\n")
         return _train(texts, size)
 
-    data_module.train_bpe = counting_train
+    token_cache.train_bpe = counting_train
     splits = load_tokens(cfg)
     np.save(out, np.asarray(splits.train))
 

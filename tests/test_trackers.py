@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from ciuic_train.train import trackers
-from ciuic_train.cli.main import check_request
+from ciuic_train.cli.preflight import check_request
 from ciuic_train.errors import UserError
 from conftest import compose_config, write_text_corpus
 

@@ -15,7 +15,7 @@ from ciuic_train.config import DecayShape, Schedule
 from ciuic_train.train.loop import Throughput
 from ciuic_train.train.metrics import format_step
 from ciuic_train.train.optim import LrSchedule, build_optimizer
-from ciuic_train.distributed.process_group import param_checksum
+from ciuic_train.distributed.params import param_checksum
 from ciuic_train.train.trainer import Trainer
 from ciuic_train.tricks import Trick, TrickContext, TrickSet, build_tricks, check_tricks
 from conftest import compose_config

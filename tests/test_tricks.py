@@ -11,11 +11,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ciuic_train.data.corpus import WindowSampler
+from ciuic_train.data.sampler import WindowSampler
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
 from ciuic_train.train.optim import LrSchedule
-from ciuic_train.distributed.process_group import param_checksum
+from ciuic_train.distributed.params import param_checksum
 from ciuic_train.train.trainer import Trainer
 from ciuic_train.tricks import CommHook, check_tricks, registry
 from ciuic_train.tricks.async_smoothed_loss import AsyncSmoothedLoss

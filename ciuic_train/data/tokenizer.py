@@ -6,6 +6,10 @@ when one is asked for. Text is cut into pieces right after a newline that a non-
 character follows: a byte-level pre-tokenizer never joins tokens across such a point, so
 tokenizing the pieces one by one gives the ids the whole text would, whatever the piece
 size, and pieces can go to worker processes and come back in order.
+
+A run keeps the tokenizer it trained with in its folder (`save_tokenizer`), under the
+names Hugging Face loads it by, and `ciuic-train-export --format hf` carries it
+(`export_tokenizer`).
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from ciuic_train.errors import UserError, first_line
+from ciuic_train.files import written_atomically
 
 BYTES = "bytes"
 BPE = "bpe"
@@ -123,6 +129,24 @@ def model_vocab_size(tokenizer: str, bpe_vocab_size: int) -> int | None:
     return load_tokenizer_file(tokenizer).vocab_size
 
 
+def check_model_vocab(model_vocab_size: int, tokenizer: Tokenizer, data_vocab_size: int) -> None:
+    """Refuse a model whose vocabulary the data does not fit. `data_vocab_size` is already the
+    larger of the tokenizer's size and the data's largest id + 1 (`corpus.load_tokens`), so one
+    comparison covers both; the message names whichever one the model falls short of."""
+    if data_vocab_size <= model_vocab_size:
+        return
+    if tokenizer.name != BYTES and tokenizer.vocab_size > model_vocab_size:
+        raise UserError(
+            f"data.tokenizer={tokenizer.name} has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size={model_vocab_size}; set model.vocab_size={tokenizer.vocab_size} or more, "
+            "or leave it out to follow the tokenizer"
+        )
+    raise UserError(
+        f"the data has token ids up to {data_vocab_size - 1} but "
+        f"model.vocab_size={model_vocab_size}; set model.vocab_size={data_vocab_size} or more"
+    )
+
+
 def train_bpe(texts: Iterator[str], vocab_size: int) -> JsonTokenizer:
     """A byte-level BPE of `vocab_size` tokens (fewer if the text has too few pairs to merge).
 
@@ -195,12 +219,35 @@ def read_token_meta(folder: Path) -> dict:
         raise UserError(f"{path} is not valid JSON: {first_line(err)}") from None
 
 
+# --- A run folder's tokenizer ------------------------------------------------------------
+
+
+def save_tokenizer(tokenizer: Tokenizer, run_dir: Path) -> None:
+    """Keep the run's tokenizer in its folder (bytes need none), with the tokenizer_config.json
+    found beside a tokenizer.json it was given (its special tokens and chat template)."""
+    text = tokenizer.to_str()
+    if text is None:
+        return
+    with written_atomically(run_dir / TOKENIZER_FILE) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    given = Path(tokenizer.name).expanduser().parent / TOKENIZER_CONFIG_FILE
+    if tokenizer.name != BPE and given.is_file():
+        with written_atomically(run_dir / TOKENIZER_CONFIG_FILE) as tmp:
+            shutil.copyfile(given, tmp)
+
+
+def run_tokenizer_file(run_dir: Path | str) -> Path | None:
+    """The tokenizer.json a run trained with (None: bytes), for export to carry."""
+    path = Path(run_dir) / TOKENIZER_FILE
+    return path if path.is_file() else None
+
+
 def export_tokenizer(run_dir: Path, folder: Path, model_max_length: int) -> bool:
     """Put a run's tokenizer into a Hugging Face model folder, as `AutoTokenizer` loads it:
     tokenizer.json, and tokenizer_config.json (the run's, from beside the tokenizer.json
     it was given, or a plain fast-tokenizer one). False for a bytes run, which has none."""
-    source = Path(run_dir) / TOKENIZER_FILE
-    if not source.is_file():
+    source = run_tokenizer_file(run_dir)
+    if source is None:
         return False
     (folder / TOKENIZER_FILE).write_bytes(source.read_bytes())
     given = Path(run_dir) / TOKENIZER_CONFIG_FILE

@@ -4,8 +4,8 @@ tokens travel to the rank of their expert and back.
 The model's MoE calls its routed-experts kernel with every (token, expert) assignment of
 this rank sorted by expert, the count per expert, and the stacked expert weights
 (`Kernels.routed_experts`). `ExpertDispatch` is a kernel with that same signature, so
-the model does not change: `shard_experts` replaces the weights by this rank's slice
-(a DTensor sharded on the expert dimension, so checkpoints still hold the whole
+the model does not change: `split_experts` replaces the weights by this rank's slice
+(a DTensor split on the expert dimension, so checkpoints still hold the whole
 tensors) and the kernel by a dispatch around it:
 
     counts per expert [E]                 -> all-to-all -> what each rank sends me, per local expert
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ciuic_train.model.deepseek import MoE
+from ciuic_train.model.moe import MoE
 
 
 class _AllToAll(torch.autograd.Function):
@@ -97,11 +97,11 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def shard_experts(model: nn.Module, ep_mesh) -> None:
+def split_experts(model: nn.Module, ep_mesh) -> None:
     """Keep only this rank's slice of every MoE layer's routed experts, and dispatch to them.
 
     Every rank built the same full weights from the same seed; rank i of the ep group
-    keeps experts [i * E / ep, (i + 1) * E / ep) as a DTensor sharded on dim 0.
+    keeps experts [i * E / ep, (i + 1) * E / ep) as a DTensor split on dim 0 (`Shard(0)`).
     """
     from torch.distributed.tensor import DTensor, Shard
 
@@ -112,8 +112,8 @@ def shard_experts(model: nn.Module, ep_mesh) -> None:
         for name in ("w13", "w2"):
             full = getattr(module, name)
             local = full.detach().chunk(ep_size, dim=0)[ep_rank].clone()
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-            setattr(module, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+            split = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            setattr(module, name, nn.Parameter(split, requires_grad=full.requires_grad))
         module.routed_experts = ExpertDispatch(module.routed_experts, ep_mesh.get_group(), ep_size)
 
 

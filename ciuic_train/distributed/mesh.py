@@ -14,7 +14,8 @@ Three sizes describe a layout (`dist.dp_replicate`, `dist.dp_shard`, `dist.ep`):
 The torch mesh has the dimensions (dp_replicate, dp_shard); the experts see dp_shard
 split into (efsdp, ep).
 
-`resolve_mesh` needs no torch, so the CLI checks a layout before anything starts.
+`resolve_mesh` and `refuse_comm_hook` need no torch, so the CLI checks a layout, and what
+needs DDP's gradient all-reduce on it, before anything starts.
 """
 
 from __future__ import annotations
@@ -139,27 +140,30 @@ def resolve_mesh(cfg: DistConfig, world_size: int, local_world_size: int, n_rout
     return MeshShape(replicate, shard, ep)
 
 
-def refuse_comm_hook(trick: str, shape: MeshShape) -> None:
-    """A trick that replaces DDP's gradient all-reduce has nothing to act on under FSDP2."""
-    if shape.strategy in ("fsdp", "hsdp"):
+def refuse_comm_hook(trick: str | None, shape: MeshShape, log_grad_consistency: bool = False) -> None:
+    """Refuse what needs DDP's gradient all-reduce where the mesh has none to offer: the
+    one check, run by the CLI before anything starts and by `parallelize` before it wraps.
+
+    - A trick's communication hook (`trick`: the trick that claims `comm_hook`) replaces
+      DDP's all-reduce, which FSDP2 does not have.
+    - `train.log_grad_consistency` needs each rank's own gradient next to the mean: DDP's
+      gradients, averaged by hand on logging steps, which a trick's hook would not be.
+    """
+    sharded = shape.strategy in ("fsdp", "hsdp")
+    if trick is not None and sharded:
         raise UserError(
             f"trick {trick} needs DDP's communication hook, which dist.strategy={shape.strategy} does not have "
             f"({shape.describe()}); use dist.dp_shard=1 dist.ep=1"
         )
-
-
-def check_grad_consistency(shape: MeshShape, comm_hook_trick: str | None) -> None:
-    """`train.log_grad_consistency` needs each rank's own gradient next to the mean: DDP's
-    gradients, averaged by hand on logging steps, which a trick's hook would not be."""
-    if shape.strategy in ("fsdp", "hsdp"):
+    if log_grad_consistency and sharded:
         raise UserError(
             f"train.log_grad_consistency needs replicas' whole gradients (DDP); dist.strategy={shape.strategy} "
             f"shards them ({shape.describe()})"
         )
-    if comm_hook_trick is not None:
+    if log_grad_consistency and trick is not None:
         raise UserError(
             f"train.log_grad_consistency averages gradients itself on logging steps, which would bypass "
-            f"trick {comm_hook_trick}'s communication hook; use one or the other"
+            f"trick {trick}'s communication hook; use one or the other"
         )
 
 

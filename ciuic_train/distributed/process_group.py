@@ -3,26 +3,26 @@
 The trainer sees one `Parallel` object whatever the world size: with one process it has
 no process group and every collective is the identity, so single-process training needs
 nothing from torch.distributed. Rank, local rank and world size come from the launcher's
-environment (torchrun, the CLI's own elastic launcher, or Slurm). How the model is
-spread over the ranks is `ciuic_train/distributed/parallelize.py`.
+environment (torchrun, the CLI's own elastic launcher, or Slurm). When a collective
+fails because a rank or the network went away, `lost_peers_message` says so in one line.
+
+How the model is spread over the ranks is `ciuic_train/distributed/parallelize.py`; what
+the training step does with the gradients across ranks, `ciuic_train/distributed/grads.py`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
 import socket
 import time
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ciuic_train.config import Backend, DistConfig
 from ciuic_train.errors import UserError
@@ -88,29 +88,6 @@ class Parallel:
     @property
     def is_main(self) -> bool:
         return self.info.is_main
-
-    def grad_sync(self, model: nn.Module, enabled: bool):
-        """Context for one micro-batch's backward: gradients are reduced only when enabled."""
-        if self.strategy == "ddp" and not enabled:
-            return model.no_sync()
-        if self.strategy in ("fsdp", "hsdp"):
-            return _fsdp_sync(model, enabled)
-        return nullcontext()
-
-    def average_gradients_with_consistency(self, parameters: list[nn.Parameter]) -> float:
-        """Replace each rank's own gradients by their mean over ranks, as DDP's all-reduce
-        would (divided first, then summed), in one collective; return the mean over ranks
-        of cos(this rank's gradient, the mean gradient)."""
-        grads = [p.grad for p in parameters if p.grad is not None]
-        local = torch.cat([g.reshape(-1) for g in grads])
-        mean = local / self.world_size
-        self.all_reduce_sum_(mean)
-        cosine = torch.dot(local.double(), mean.double()) / (local.double().norm() * mean.double().norm()).clamp_min(1e-30)
-        offset = 0
-        for g in grads:
-            g.copy_(mean[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        return self.mean(cosine.item())
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.group_started or dist.is_initialized():
@@ -221,87 +198,3 @@ def _attempt_store(info: RankInfo, timeout: timedelta) -> dict[str, Any]:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"ciuic_train/attempt_{attempt}", agent_store)
     return {"store": store, "rank": info.rank, "world_size": info.world_size}
-
-
-@contextmanager
-def _fsdp_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    model.set_requires_gradient_sync(enabled)
-    yield
-
-
-def full_value(tensor: torch.Tensor) -> float:
-    """A scalar as a float, gathering it first if it is a sharded (FSDP2) DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).item()
-
-
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> float:
-    """Scale the gradients so their global L2 norm is at most `max_norm`; returns the norm.
-
-    torch's `clip_grad_norm_` stacks the per-parameter norms, which fails when gradients
-    are DTensors on different meshes (the experts under expert parallelism). Here each
-    group of gradients that share a mesh and placement sums its local squares, and one
-    reduction over that mesh's sharded dimensions makes the group's total. Plain tensors
-    (one process, or DDP's already averaged gradients) take torch's own path.
-    """
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    grads = [p.grad for p in parameters if p.grad is not None]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    groups: dict[Any, list[DTensor]] = {}
-    for g in grads:
-        if isinstance(g, DTensor):
-            groups.setdefault((g.device_mesh, g.placements), []).append(g)
-    if not groups:
-        return full_value(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
-    squares = torch.nn.utils.get_total_norm(plain).pow(2) if plain else torch.zeros((), device=grads[0].device)
-    for (mesh, placements), members in groups.items():
-        local = sum(torch.linalg.vector_norm(g.to_local(), dtype=torch.float32).pow(2) for g in members)
-        partial = [Partial() if p.is_shard() else Replicate() for p in placements]
-        squares = squares + DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
-    total = squares.sqrt()
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grads_with_norm_
-    for members in [plain, *groups.values()]:
-        if members:
-            torch._foreach_mul_(members, scale)
-    return total.item()
-
-
-def param_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of parameters this rank stores: routed experts, and the rest (shards only,
-    under FSDP or expert parallelism)."""
-    from torch.distributed.tensor import DTensor
-
-    from ciuic_train.distributed.expert_parallel import expert_parameters
-
-    experts = expert_parameters(model)
-    stored = {"experts": 0, "other": 0}
-    for param in model.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        stored["experts" if param in experts else "other"] += local.numel() * local.element_size()
-    return stored
-
-
-def param_checksum(model: nn.Module) -> str:
-    """A hash of every parameter's name and full bytes: equal only for bit-identical weights.
-
-    Sharded (FSDP2) parameters are gathered first, which is a collective: every rank
-    must call this at the same point.
-    """
-    from torch.distributed.tensor import DTensor
-
-    # Gathering an expert (sharded over efsdp, then ep) takes two all-gathers, which torch
-    # warns about as slow; once at the end of a run it does not matter.
-    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = redistribute_log.level
-    redistribute_log.setLevel(logging.ERROR)
-    digest = hashlib.sha256()
-    try:
-        params = [(name, p.full_tensor() if isinstance(p, DTensor) else p) for name, p in sorted(model.named_parameters())]
-    finally:
-        redistribute_log.setLevel(level)
-    for name, full in params:
-        digest.update(name.encode())
-        digest.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]

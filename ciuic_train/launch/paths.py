@@ -34,8 +34,8 @@ what `LaunchPath` declares (each default does nothing), used in this order:
    train it, wait for them and return the summary they wrote (the job reads its
    `stopped_by` and `final_val_loss`); None: this process trains.
 
-`cli.main` asks `current()` for 1-5 before Hydra runs jobs (commands that only print
-skip them), and `cli._hydra_job` for 6.
+The CLI's pre-flight check (`cli/preflight.py`) asks `current()` for 1-5 before Hydra
+runs jobs (commands that only print skip them), and the Hydra job (`cli/job.py`) for 6.
 """
 
 from __future__ import annotations

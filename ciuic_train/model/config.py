@@ -79,7 +79,7 @@ class ModelConfig:
     init_std: float = 0.02
     tie_embeddings: bool = False
     # auto: the fast paths of ciuic_train/model/kernels/ where they serve the device;
-    # reference: the plain formulas of model/deepseek.py everywhere (same results).
+    # reference: the plain formulas of the model's own files everywhere (same results).
     kernels: str = "auto"
 
     def __post_init__(self) -> None:

@@ -4,8 +4,9 @@ The model is built on the meta device (shapes, no memory), the mesh is resolved 
 trainer would resolve it (`expected_mesh`: `dist.nnodes * dist.nproc_per_node` ranks),
 and every figure below follows from the parameter shapes, the mesh, `train.batch_size`,
 `train.seq_len`, `train.grad_accum`, `precision`, `device` and `activation_checkpointing`.
-`plan_figures(config)` returns them as a dict (bytes, per rank); `print_plan(config)`
-prints them. Nothing here imports CUDA or allocates a tensor's data.
+`plan_figures(config)` returns them as a dict (bytes, per rank), and
+`plan_tables.print_plan(config)` prints them. Nothing here imports CUDA or allocates a
+tensor's data.
 
 Notation: D model dim, L layers (L_moe of them MoE), H heads, E routed experts, k of
 them per token, h expert (and shared-slice) hidden size, S = n_shared_experts * h,
@@ -60,52 +61,13 @@ device (device=cuda or auto; FSDP2's MixedPrecisionPolicy), else 4.
   prefetched) + the largest unit's unsharded gradients in g bytes plus their fp32 copy
   for the reduce-scatter ((g + 4) bytes per gathered element).
 
-Activations (see `activation_bytes`)
-------------------------------------
-Per micro-batch, the tensors autograd saves for backward, widths r (residual stream),
-a (matmul operands and outputs) and 4 (fp32 extras): fp32: r = a = 4; bf16 under FSDP2
-on CUDA: r = a = 2 (FSDP casts each block's input to bf16 and gathers bf16 weights);
-bf16 otherwise (autocast alone): r = 4, a = 2, and each linear layer that reads a norm's
-fp32 output saves its own bf16 copy ("copies" below: 2 for attention, 2 for the dense
-FFN, 1 + 2 * [shared experts] for the MoE), where otherwise one copy serves them all,
-and keeps a bf16 copy of every weight matrix the block multiplies by (2 bytes per
-element; experts: this rank's E / ep) until backward. Per token and block:
-
-    attention  D r + 4 (norm input, 1/rms) + copies * D a (norm output)
-               + [q_lora_rank > 0] (2 q_lora_rank a + 4) (wq_a output, its norm output)
-               + (kv_lora_rank + d_rope) a + 4 + kv_lora_rank a (latent, its norm output)
-               + core + H d_v a (attention output, input of wo)
-    core       CUDA (fused SDPA, heads padded to d = max(d_qk, d_v)): 4 H d a (q, k, v,
-               output) + 4 H (log-sum-exp); CPU (blocked attention): (2 H d_qk + H d_v) a
-               + the fp32 probabilities, 4 H P(T) / T, P(T) = sum over 64-query blocks
-               of rows x keys seen
-    dense FFN  D r + 4 + copies * D a + 4 F a (w1 and w3 outputs, silu, their product)
-    MoE FFN    D r + 4 + copies * D a + 4 E + 28 k (router: fp32 scores and top-k
-               weights, int64 indices; + 4 k + 4 with norm_topk_prob; group-limited
-               routing keeps nothing more: its top-k values go unused, so autograd
-               frees what it saved)
-               + k (D a + 4 h a + D a + D r) (dispatched rows,
-               expert w13 output, silu, product, expert output, weighted output)
-               + 4 S a (shared experts)
-
-plus per block and micro-batch 8 T d_rope (the RoPE rotations, complex64) and 4 E per
-MoE block (group ends); and per micro-batch 8 N (token ids) + N (D r + 4) (final norm)
-+ N D r (the loss's gradient for h) + V D g (its lm head gradient, accumulated in fp32
-and kept in the dtype of the weight it was given: g) + 8.
-
-Each multi-token-prediction depth k (`model.n_mtp_layers`) adds one block over T - k
-positions (MoE when the model has MoE layers), and per one of its N_k = B (T - k) tokens
-(D r + 4) (enorm input) + 4 (hnorm) + 2 D a (the pair eh_proj reads) + (D r + 4) (its
-final norm) + D r (the loss's gradient for h), another V D g + 8 for the shared head, and
-for k = 1 N D r: hnorm reads a view of the main model's normalised output, which keeps it.
-
-Without activation checkpointing: the top-level terms + every block's saved tensors
-+ one more block's worth (backward's working set: the gradients of the block being
-differentiated). With it: the top-level terms + each block's input (N D r per block, N_k D r per MTP block)
-+ 2 x the largest block (its recomputed tensors and backward's working set).
-The saved-tensor count is checked against `torch.autograd.graph.saved_tensors_hooks`
-in fp32 on CPU (tests/test_plan.py); the CUDA kernels' figures are derived, not
-measured, and the CPU bf16 path pads expert groups, which is not modelled.
+Activations (`plan_activations.py`)
+-----------------------------------
+An estimate of the tensors autograd saves for backward per micro-batch, at widths r
+(residual stream), a (matmul operands and outputs) and 4 (fp32 extras) that follow from
+`precision`, `device` and FSDP; that module's docstring gives every term. Without
+activation checkpointing: every block's saved tensors + one more block's worth; with it:
+each block's input + 2 x the largest block; plus the terms outside the blocks.
 
 Communication per optimizer step (see `_communication`), bytes a rank sends
 --------------------------------------------------------------------------
@@ -132,9 +94,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ciuic_train.config import Config, Device, Precision
-from ciuic_train.files import format_bytes
+from ciuic_train.config import Config
 from ciuic_train.distributed.mesh import MeshShape, expected_mesh
+from ciuic_train.tools.plan_activations import Widths, activation_bytes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -142,30 +104,6 @@ if TYPE_CHECKING:
 GIB = 2**30
 # What torch reports as total memory on these GPUs, rounded down (GiB).
 GPUS = {"80 GB": 79.0, "141 GB": 139.0}
-# Queries per block of the CPU attention kernel (ciuic_train/model/kernels/attention.py).
-CPU_ATTENTION_BLOCK = 64
-
-
-@dataclass(frozen=True)
-class Widths:
-    """Bytes per element: r residual stream, a matmul activations, g gathered parameters."""
-
-    r: int
-    a: int
-    g: int
-    copies_per_consumer: bool  # autocast alone: each linear saves its own bf16 copy of a norm's output
-    cuda: bool
-
-    @staticmethod
-    def of(config: Config, mesh: MeshShape) -> Widths:
-        cuda = config.device is not Device.cpu
-        bf16 = config.precision is Precision.bf16
-        fsdp_bf16 = bf16 and cuda and mesh.strategy in ("fsdp", "hsdp")
-        if not bf16:
-            return Widths(4, 4, 4, False, cuda)
-        if fsdp_bf16:
-            return Widths(2, 2, 2, False, cuda)
-        return Widths(4, 2, 4, True, cuda)
 
 
 def build_meta_model(config: Config) -> nn.Module:
@@ -314,86 +252,6 @@ def _stored_elements(d0: int, rest: int, group: int) -> int:
     return -(-d0 // group) * rest
 
 
-# --- Activations --------------------------------------------------------------------------
-
-
-def activation_bytes(config: Config, widths: Widths, block_weights: list[int] | None = None) -> dict[str, int]:
-    """Bytes of saved activations per rank for one micro-batch (formulas: module docstring).
-
-    `block_weights`: per block, the elements of the matrices its forward multiplies by
-    (experts: this rank's E / ep); under autocast alone each is saved as a bf16 copy.
-
-    Returns `saved` (what autograd holds at the end of forward without checkpointing),
-    `no_ac` and `ac` (the estimates that enter the totals), and the per-block figures.
-    """
-    m, t = config.model, config.train
-    B, T = t.batch_size, t.seq_len
-    N = B * T
-    r, a = widths.r, widths.a
-    D, H = m.dim, m.n_heads
-    d_qk, d_v, d_rope = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.qk_rope_head_dim
-    k, h, E = m.n_activated_experts, m.moe_ffn_dim, m.n_routed_experts
-    S = m.n_shared_experts * h
-
-    def norm_output(consumers: int) -> int:
-        return (consumers if widths.copies_per_consumer else 1) * D * a
-
-    # Per token.
-    attention = D * r + 4 + norm_output(2)
-    if m.q_lora_rank > 0:
-        attention += 2 * m.q_lora_rank * a + 4
-    attention += (m.kv_lora_rank + d_rope) * a + 4 + m.kv_lora_rank * a
-    if widths.cuda:
-        d = max(d_qk, d_v)
-        attention += 4 * H * d * a + 4 * H
-    else:
-        attention += (2 * H * d_qk + H * d_v) * a
-    attention += H * d_v * a
-    dense = D * r + 4 + norm_output(2) + 4 * m.dense_ffn_dim * a
-    moe = (
-        D * r + 4 + norm_output(1 + (2 if S else 0))
-        + 4 * E + 28 * k + (4 * k + 4 if m.norm_topk_prob else 0)
-        + k * (D * a + 4 * h * a + D * a + D * r)
-        + 4 * S * a
-    )
-    # Per micro-batch, for a block over sequences of length `seq`.
-    def block_bytes(seq: int, is_moe: bool) -> int:
-        per_block = 8 * seq * d_rope + (0 if widths.cuda else 4 * B * H * _blocked_probs(seq))
-        return B * seq * (attention + (moe if is_moe else dense)) + per_block + (4 * E if is_moe else 0)
-
-    n_moe = m.n_layers - m.n_dense_layers
-    per_layer = [block_bytes(T, i >= m.n_dense_layers) for i in range(m.n_layers)]
-    # MTP depth k: its block over T - k positions, and around it (per position) the two
-    # norms' inputs, the pair eh_proj reads, its own final norm, the loss's gradient for h;
-    # depth 1 also keeps the main model's output alive (hnorm reads a view of it); and a
-    # second lm head gradient.
-    per_depth = []
-    for k in range(1, m.n_mtp_layers + 1):
-        n_k = B * (T - k)
-        around = n_k * ((D * r + 4) + 4 + 2 * D * a + (D * r + 4) + D * r) + m.vocab_size * D * widths.g + 8
-        per_depth.append((block_bytes(T - k, n_moe > 0), around + (N * D * r if k == 1 else 0)))
-    blocks = per_layer + [block for block, _ in per_depth]
-    if widths.copies_per_consumer and block_weights is not None:
-        blocks = [b + 2 * w for b, w in zip(blocks, block_weights)]
-    top = 8 * N + N * (D * r + 4) + N * D * r + m.vocab_size * D * widths.g + 8 + sum(around for _, around in per_depth)
-    largest = max(blocks)
-    saved = top + sum(blocks)
-    block_inputs = N * D * r * m.n_layers + sum(B * (T - k) * D * r for k in range(1, m.n_mtp_layers + 1))
-    return {
-        "saved": saved,
-        "no_ac": saved + largest,
-        "ac": top + block_inputs + 2 * largest,
-        "dense_block": blocks[0] if m.n_dense_layers else 0,
-        "moe_block": blocks[m.n_layers - 1] if n_moe else 0,
-        "top": top,
-    }
-
-
-def _blocked_probs(T: int, block: int = CPU_ATTENTION_BLOCK) -> int:
-    """P(T): the blocked CPU attention's fp32 probabilities per sequence and head."""
-    return sum((min(start + block, T) - start) * min(start + block, T) for start in range(0, T, block))
-
-
 # --- Communication ------------------------------------------------------------------------
 
 
@@ -435,113 +293,3 @@ def _communication(config: Config, model: nn.Module, mesh: MeshShape, widths: Wi
         "all_reduce": {"hsdp_replicas": replicas, "ddp_grads": ddp, "moe_load": load, "total": replicas + ddp + load},
         "all_to_all": all_to_all,
     }
-
-
-# --- Printing -----------------------------------------------------------------------------
-
-
-def print_plan(config: Config) -> None:
-    """Build the model on the meta device (no memory) and print its size, the run's shape,
-    and the per-rank memory and communication for the mesh."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from ciuic_train.model import count_mtp_parameters, count_parameters
-
-    mesh = resolve_plan_mesh(config)  # a bad mesh is a one-line error before torch loads
-    model = build_meta_model(config)
-    total, active = count_parameters(model)
-    mtp_total, mtp_active = count_mtp_parameters(model)
-    m, t = config.model, config.train
-    table = Table(title=f"plan: model={m.name}", show_header=False)
-    table.add_column("key", style="bold")
-    table.add_column("value")
-    rows = {
-        "parameters (total)": f"{total:,} ({total / 1e9:.2f} B)",
-        "parameters (active per token)": f"{active:,} ({active / 1e9:.2f} B)",
-        **({
-            f"MTP ({m.n_mtp_layers} depth{'s' * (m.n_mtp_layers > 1)})": (
-                f"+ {mtp_total:,} ({mtp_total / 1e9:.2f} B, {mtp_active / 1e9:.2f} B active); shares the "
-                f"embedding and head, which DeepSeek's released MTP weights copy "
-                f"({(mtp_total + 2 * m.vocab_size * m.dim) / 1e9:.2f} B with them)"
-            )
-        } if mtp_total else {}),
-        "layers (dense + MoE)": f"{m.n_layers} ({m.n_dense_layers} + {m.n_layers - m.n_dense_layers})",
-        "experts per MoE layer": f"{m.n_routed_experts} routed (top-{m.n_activated_experts}) + {m.n_shared_experts} shared",
-        "attention": f"MLA, {m.n_heads} heads, kv_lora_rank {m.kv_lora_rank}, q_lora_rank {m.q_lora_rank or 'none'}",
-        "fp32 weights + AdamW state": f"{(total + mtp_total) * 16 / 2**30:,.1f} GiB",
-        "tokens per optimizer step": f"{t.batch_size * t.seq_len * t.grad_accum * mesh.world_size:,}",
-        "data": config.data.name + (f" ({config.data.path})" if config.data.path else ""),
-        "tricks": ", ".join(sorted(config.trick)) or "none",
-    }
-    for key, value in rows.items():
-        table.add_row(key, value)
-    console = Console()
-    console.print(table)
-    figures = plan_figures(config, model)
-    console.print(_memory_table(config, figures))
-    console.print(_comm_table(figures))
-
-
-def _memory_table(config: Config, f: dict[str, Any]) -> Any:
-    from rich.table import Table
-
-    mem, mesh, w = f["memory"], f["mesh"], f["widths"]
-    gathered = {2: "bf16", 4: "fp32"}[w["gather"]]
-    table = Table(
-        title=f"per rank: {f['world_size']} ranks ({config.dist.nnodes} x {config.dist.nproc_per_node}), "
-        f"{mesh['strategy']} dp_replicate={mesh['dp_replicate']} x dp_shard={mesh['dp_shard']}, "
-        f"ep={mesh['ep']}, efsdp={mesh['efsdp']}",
-    )
-    table.add_column("memory", style="bold")
-    table.add_column("per rank", justify="right")
-    table.add_column("how")
-
-    def split(d: dict[str, int]) -> str:
-        return f"experts {format_bytes(d['experts'])} + other {format_bytes(d['other'])}"
-
-    table.add_row("parameters", format_bytes(sum(mem["params"].values())), f"fp32; {split(mem['params'])} (exact)")
-    table.add_row("gradients", format_bytes(sum(mem["grads"].values())), "fp32, as the parameters (exact)")
-    table.add_row("AdamW state", format_bytes(sum(mem["optimizer"].values())), "2 x fp32 per parameter (exact)")
-    if mem["ddp_buckets"]:
-        table.add_row("DDP buckets", format_bytes(mem["ddp_buckets"]), "the reducer's fp32 copy of the gradients")
-    if mem["accumulated_grads"]:
-        table.add_row("accumulated grads", format_bytes(mem["accumulated_grads"]),
-                      "grad_accum > 1: FSDP2 keeps unsharded fp32 gradients between micro-batches")
-    if mesh["strategy"] in ("fsdp", "hsdp"):
-        table.add_row("largest block all-gather", format_bytes(mem["largest_block_all_gather"]), f"{gathered} (exact)")
-        table.add_row("root all-gather", format_bytes(mem["root_all_gather"]), f"{gathered}, held all step (exact)")
-        table.add_row("FSDP buffers", format_bytes(mem["fsdp_buffers"]),
-                      "root + 2 x largest block + one unit's gradients (estimate)")
-    acts = mem["activations"]
-    tokens = f"{config.train.batch_size} x {config.train.seq_len} tokens"
-    for key, label in (("no_ac", "without AC"), ("ac", "with AC")):
-        configured = ", as configured" if (key == "ac") == f["activation_checkpointing"] else ""
-        table.add_row(f"activations {label}", format_bytes(acts[key]), f"{tokens}, estimate{configured}")
-    for key, label in (("no_ac", "without AC"), ("ac", "with AC")):
-        verdicts = ", ".join(
-            f"{gpu} ({cap:g} GiB): {'fits' if f['fits'][gpu][key] else 'does not fit'}" for gpu, cap in GPUS.items()
-        )
-        table.add_row(f"total {label}", format_bytes(mem["total"][key]), verdicts)
-    return table
-
-
-def _comm_table(f: dict[str, Any]) -> Any:
-    from rich.table import Table
-
-    comm = f["comm"]
-    table = Table(title="communication per optimizer step: bytes each rank sends")
-    table.add_column("collective", style="bold")
-    table.add_column("per rank", justify="right")
-    table.add_column("what")
-    ar = comm["all_reduce"]
-    parts = [
-        f"{name} {format_bytes(ar[key])}"
-        for key, name in (("ddp_grads", "DDP grads"), ("hsdp_replicas", "HSDP replicas"), ("moe_load", "MoE load"))
-        if ar[key]
-    ]
-    table.add_row("all-gather", format_bytes(comm["all_gather"]), "FSDP: blocks forward + backward, root once (exact)")
-    table.add_row("reduce-scatter", format_bytes(comm["reduce_scatter"]), "FSDP: fp32 gradients, once a step (exact)")
-    table.add_row("all-reduce", format_bytes(ar["total"]), (", ".join(parts) or "none") + " (exact)")
-    table.add_row("all-to-all", format_bytes(comm["all_to_all"]), "EP: token rows, uniform routing (estimate)")
-    return table

@@ -10,8 +10,9 @@ One optimizer step (`Trainer.train_step`):
                                             (under dist.ep, routed tokens visit their experts' ranks)
         backward(loss * weight)             gradients cross ranks on the last micro-batch only
                                             (DDP's all-reduce, or tricks.comm_hook in its place;
-                                            FSDP2's reduce-scatter, plus all-reduce under HSDP)
-    clip the global gradient norm (across every mesh)
+                                            FSDP2's reduce-scatter, plus all-reduce under HSDP;
+                                            by hand where train.log_grad_consistency measures)
+    clip the global gradient norm (across every mesh: ciuic_train/distributed/grads.py)
     ranks agree: mean losses, finite?, stop?  (`LossWatch.agree`, the step's one small collective)
     if finite: optimizer step; MoE: one balancing step from the tokens each expert received
     else: no update; stop the run, or skip the step (train.on_nonfinite)
@@ -34,8 +35,9 @@ from typing import Any
 
 import torch
 
-from ciuic_train.checkpoint.checkpointer import (
-    Checkpointer,
+from ciuic_train.checkpoint.checkpointer import Checkpointer
+from ciuic_train.checkpoint.hf_weights import load_hf_weights
+from ciuic_train.checkpoint.resume import (
     check_resumable,
     complete_checkpoints,
     read_meta,
@@ -43,26 +45,20 @@ from ciuic_train.checkpoint.checkpointer import (
     run_fingerprint,
 )
 from ciuic_train.config import Config, Device, OnNonFinite, Precision
-from ciuic_train.data.corpus import (
-    WindowSampler,
-    eval_indices,
-    get_batch,
-    load_tokens,
-    n_windows,
-    save_tokenizer,
-    unigram_entropy,
-)
+from ciuic_train.data.corpus import load_tokens, unigram_entropy
+from ciuic_train.data.sampler import WindowSampler, eval_indices, get_batch, n_windows
+from ciuic_train.data.tokenizer import check_model_vocab, save_tokenizer
+from ciuic_train.distributed.grads import average_gradients_with_consistency, clip_grad_norm_, grad_sync
+from ciuic_train.distributed.parallelize import parallelize
+from ciuic_train.distributed.params import param_bytes, param_checksum
+from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.errors import RunFailed, UserError, first_line
 from ciuic_train.files import write_json_atomic
-from ciuic_train.checkpoint.hf import load_hf_weights
-from ciuic_train.train.loop import Cadence, LossWatch, StepCheck, StopRequest, Throughput, inject_fault, poison_loss
-from ciuic_train.distributed.mesh import check_grad_consistency
-from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters, generate
-from ciuic_train.model.deepseek import IGNORE_INDEX
+from ciuic_train.model.common import IGNORE_INDEX
+from ciuic_train.train.loop import Cadence, LossWatch, StepCheck, StopRequest, Throughput, inject_fault, poison_loss
+from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.train.optim import LrSchedule, build_optimizer
-from ciuic_train.distributed.process_group import Parallel, clip_grad_norm_, param_bytes, param_checksum
-from ciuic_train.distributed.parallelize import parallelize
 from ciuic_train.train.trackers import Trackers
 from ciuic_train.tricks import TrickContext, build_tricks
 
@@ -98,18 +94,7 @@ class Trainer:
         torch.manual_seed(config.seed)
 
         self.data = load_tokens(config.data)
-        tokenizer_size = self.data.tokenizer.vocab_size
-        if config.data.tokenizer != "bytes" and tokenizer_size > config.model.vocab_size:
-            raise UserError(
-                f"data.tokenizer={config.data.tokenizer} has {tokenizer_size} tokens but "
-                f"model.vocab_size={config.model.vocab_size}; set model.vocab_size={tokenizer_size} or more, "
-                "or leave it out to follow the tokenizer"
-            )
-        if self.data.vocab_size > config.model.vocab_size:
-            raise UserError(
-                f"the data has token ids up to {self.data.vocab_size - 1} but "
-                f"model.vocab_size={config.model.vocab_size}; set model.vocab_size={self.data.vocab_size} or more"
-            )
+        check_model_vocab(config.model.vocab_size, self.data.tokenizer, self.data.vocab_size)
         self.tricks = build_tricks(
             config.trick,
             TrickContext(config.seed, rank, world, train.max_steps, train.grad_accum, self.parallel),
@@ -122,10 +107,7 @@ class Trainer:
         if config.init_from and self.resumed_from is None:  # a resume restores its own weights
             load_hf_weights(self.model, Path(config.init_from).expanduser())
             log.info(f"weights from {config.init_from}")
-        comm_hook = self.tricks.comm_hook()
-        if train.log_grad_consistency:
-            check_grad_consistency(self.parallel.mesh.shape, comm_hook.trick if comm_hook else None)
-        self.wrapped_model = parallelize(self.model, self.parallel.mesh, config, comm_hook)
+        self.wrapped_model = parallelize(self.model, self.parallel.mesh, config, self.tricks.comm_hook())
         self.optimizer = build_optimizer(self.model, config.optim, train.lr)
         self.lr_schedule = LrSchedule.from_config(config.optim, train.lr, train.warmup_steps, train.max_steps)
         self.sampler = WindowSampler(
@@ -216,7 +198,7 @@ class Trainer:
         for i, weight in enumerate(weights):
             inputs, targets = self._batch(self.sampler.next_indices(train.batch_size), self.data.train)
             sync = i == len(weights) - 1 and not measure_consistency
-            with self.parallel.grad_sync(self.wrapped_model, enabled=sync):
+            with grad_sync(self.wrapped_model, self.parallel.strategy, enabled=sync):
                 loss = self.tricks.transform_loss(self._loss(inputs, targets), self.step)
                 loss = poison_loss(self.config.fault, self.parallel.info.rank, self.step + 1, loss)
                 (loss * weight).backward()
@@ -225,7 +207,7 @@ class Trainer:
                 side_sums[name] = side_sums.get(name, 0.0) + value * weight
         figures = {}
         if measure_consistency:
-            figures["grad_consistency"] = self.parallel.average_gradients_with_consistency(list(self.model.parameters()))
+            figures["grad_consistency"] = average_gradients_with_consistency(list(self.model.parameters()), self.parallel)
 
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm)

@@ -43,6 +43,11 @@ def trick_classes(selected: Mapping[str, Any]) -> list[type[Trick]]:
     return [available[name] for name in sorted(selected)]
 
 
+def seam_owner(selected: Mapping[str, Any], seam: str) -> str | None:
+    """The selected trick that replaces `seam`, or None (two never do: `check_tricks`)."""
+    return next((cls.name for cls in trick_classes(selected) if seam in cls.claimed_seams()), None)
+
+
 def parse_params(cls: type[Trick], values: Mapping[str, Any] | None) -> Any:
     """A trick's typed parameters: a misspelt or mistyped `trick.<name>.<param>` fails here."""
     try:

@@ -1,21 +1,21 @@
 """Fast paths for the model's four costliest computations, chosen by `model.kernels=auto`.
 
-Each replaces one function of `ciuic_train/model/deepseek.py`'s `REFERENCE` and computes
+Each replaces one function of `ciuic_train/model/transformer.py`'s `REFERENCE` and computes
 the same thing, forward and gradients (tests/test_kernels.py holds them to it, in fp32
 and bf16). What `auto` runs, per device:
 
-| reference (deepseek.py) | auto                                                        | module       |
-|-------------------------|-------------------------------------------------------------|--------------|
-| `rms_norm`              | `RMSNormFunction`, its backward written out (every device)  | norm.py      |
-| `causal_attention`      | CPU: `blocked_attention`; elsewhere `padded_sdpa`           | attention.py |
-| `grouped_swiglu`        | bf16 on CPU: groups padded to 64 rows; compiling fp32: run  | moe.py       |
-|                         | between graphs; else the reference                          |              |
-| `lm_cross_entropy`      | `LinearCrossEntropy`, chunked, gradients taken in forward   | loss.py      |
+| reference (model/)             | auto                                                       | module       |
+|--------------------------------|------------------------------------------------------------|--------------|
+| `norm.rms_norm`                | `RMSNormFunction`, its backward written out (every device) | norm.py      |
+| `attention.causal_attention`   | CPU: `blocked_attention`; elsewhere `padded_sdpa`          | attention.py |
+| `common.grouped_swiglu`        | bf16 on CPU: groups padded to 64 rows; compiling fp32: run | moe.py       |
+|                                | between graphs; else the reference                         |              |
+| `transformer.lm_cross_entropy` | `LinearCrossEntropy`, chunked, gradients taken in forward  | loss.py      |
 
 Why each exists, and what it was measured to save: docs/bench/README.md ("The kernels").
 """
 
-from ciuic_train.model.deepseek import Kernels
+from ciuic_train.model.common import Kernels
 from ciuic_train.model.kernels.attention import causal_attention
 from ciuic_train.model.kernels.loss import linear_cross_entropy
 from ciuic_train.model.kernels.moe import routed_experts

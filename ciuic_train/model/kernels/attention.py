@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ciuic_train.model.deepseek import compute_dtype
+from ciuic_train.model.common import compute_dtype
 from ciuic_train.model.kernels.softmax import softmax_fp32
 
 # Queries per block of `blocked_attention`; 64 measured fastest at model=bench.
@@ -13,7 +13,7 @@ BLOCK_ROWS = 64
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """`deepseek.causal_attention` by the faster route of each device.
+    """`model.attention.causal_attention` by the faster route of each device.
 
     On CPU the blocked version beats the fused kernel in fp32 and bf16 alike: the fused
     CPU kernel scores the masked half of the matrix too.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ciuic_train.model.deepseek import IGNORE_INDEX, compute_dtype
+from ciuic_train.model.common import IGNORE_INDEX, compute_dtype
 from ciuic_train.model.kernels.softmax import softmax_fp32
 
 # Most bytes of fp32 logits per chunk: so many tokens' logits exist at once, and none are
@@ -18,7 +18,7 @@ def loss_chunk_tokens(vocab_size: int) -> int:
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
-    """`deepseek.lm_cross_entropy` without ever building the whole logits tensor."""
+    """`model.transformer.lm_cross_entropy` without ever building the whole logits tensor."""
     total = LinearCrossEntropy.apply(h, weight, targets, loss_chunk_tokens(len(weight)))
     return total / (targets != IGNORE_INDEX).sum() if reduction == "mean" else total
 

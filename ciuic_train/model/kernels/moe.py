@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ciuic_train.model.deepseek import compute_dtype, grouped_mm_supported, grouped_swiglu, swiglu_grouped_mm
+from ciuic_train.model.common import compute_dtype, grouped_mm_supported, grouped_swiglu, swiglu_grouped_mm
 
 # Row multiple each expert's group is padded to in bf16 on CPU (see `pad_groups`).
 GROUP_ALIGN = 64
 
 
 def routed_experts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """`deepseek.grouped_swiglu`, padded for oneDNN in bf16 on CPU, kept eager under compile."""
+    """`model.common.grouped_swiglu`, padded for oneDNN in bf16 on CPU, kept eager under compile."""
     dtype = compute_dtype(x)
     if torch.compiler.is_compiling() and dtype != torch.bfloat16:
         return grouped_swiglu_between_graphs(x, counts, w13, w2)

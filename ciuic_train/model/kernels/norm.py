@@ -6,7 +6,7 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`deepseek.rms_norm`, computed by `RMSNormFunction` (fp32 inside, autocast off)."""
+    """`model.norm.rms_norm`, computed by `RMSNormFunction` (fp32 inside, autocast off)."""
     with torch.autocast(x.device.type, enabled=False):
         return RMSNormFunction.apply(x, weight, eps)
 

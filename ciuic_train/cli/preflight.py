@@ -1,0 +1,134 @@
+"""The check before Hydra runs: every job the command line asks for, composed and checked.
+
+Hydra reports configuration mistakes as multi-line messages (or tracebacks) and only
+after it has created a run folder. So before Hydra runs, `check_request` composes each
+job (one, or each point of a `-m` sweep) and checks what can be checked without
+starting it: the schema, the launcher, the mesh the world size resolves to, the corpus,
+the checkpoint a resume continues and the weights `init_from` loads. The first mistake
+is a `UserError`, which `cli.main` prints as one line before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import shutil
+from pathlib import Path
+
+from hydra.core.override_parser.types import Override
+
+from ciuic_train.cli.compose import compose, config_module, job_config, without_hydra
+from ciuic_train.cli.flags import PROG, composes_our_config, parse_hydra_command_line
+from ciuic_train.cli.messages import as_user_errors
+from ciuic_train.cli.sweeps import job_overrides, parse_overrides
+from ciuic_train.config import Config
+from ciuic_train.distributed.mesh import expected_mesh, expected_world, refuse_comm_hook
+from ciuic_train.errors import UserError
+from ciuic_train.launch import paths as launch
+from ciuic_train.tricks import seam_owner
+
+# Our launchers (conf/hydra/launcher/) and what each needs beyond Hydra itself.
+SUBMITIT_LAUNCHERS = {"slurm": "sbatch", "local": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedJob:
+    config: Config
+    run_dir: str  # hydra.run.dir as this process resolves it
+    sweep_dir: str  # hydra.sweep.dir, likewise
+
+
+def check_request(
+    argv: list[str], path: launch.LaunchPath | None = None, config_only: bool = False
+) -> list[CheckedJob]:
+    """Compose and check every job the command line asks for, before anything runs.
+
+    `path` is how this process was started (default: as the environment says);
+    `config_only` is for commands that print the config: they skip the corpus and
+    checkpoint checks, which need torch.
+    """
+    args, unknown = parse_hydra_command_line(argv)
+    if unknown:
+        raise UserError(f"unknown option {unknown[0]!r}; see {PROG} --help")
+    if args.resolve and not (args.cfg or args.help):
+        raise UserError("--resolve works only with --cfg or --help")
+    if args.cfg and args.multirun:
+        raise UserError("--cfg prints the config of one job; leave out -m")
+    if not composes_our_config(args):
+        return []  # a user-supplied primary config: Hydra checks it against our schema itself
+    path = path or launch.current()
+    with config_module(), as_user_errors():
+        parsed = parse_overrides(args.overrides)
+        launcher = None if config_only else _check_launcher(parsed, args.multirun)
+        jobs = job_overrides(parsed, args.multirun)
+        if args.multirun and not path.runs_sweeps:
+            raise UserError(
+                f"-m under {path.name} would run the whole sweep on every rank; "
+                f"sweep distributed jobs with {PROG} -m ... dist.nproc_per_node=N instead"
+            )
+        checked = [_check_job(job, config_only, check_mesh=launcher is None) for job in jobs]
+    if launcher and any(job.config.dist.nproc_per_node > 1 for job in checked):
+        raise UserError(
+            f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
+            "instead of dist.nproc_per_node=N"
+        )
+    return checked
+
+
+def _check_launcher(parsed: list[Override], multirun: bool) -> str | None:
+    """Say what a submitit launcher lacks here, before Hydra fails on it with a traceback;
+    the one chosen, if any."""
+    chosen = [o.value() for o in parsed if o.key_or_group == "hydra/launcher" and o.value() in SUBMITIT_LAUNCHERS]
+    for name in chosen:
+        if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+            raise UserError(f"hydra/launcher={name} needs the slurm extra: pip install 'ciuic-train[slurm]'")
+        command = SUBMITIT_LAUNCHERS[name]
+        if command and shutil.which(command) is None:
+            raise UserError(
+                f"hydra/launcher={name} submits with Slurm's {command}, which is not on PATH here; "
+                "run from a Slurm login node, or try the same path locally with hydra/launcher=local"
+            )
+        if not multirun:
+            raise UserError(f"hydra/launcher={name} acts only with -m (Hydra launches jobs in multirun mode); add -m")
+    return chosen[0] if chosen else None
+
+
+def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True) -> CheckedJob:
+    """`check_mesh`: whether this process knows the world size (not so where a Slurm
+    launcher will decide it: each task checks its own mesh when it starts)."""
+    with as_user_errors():
+        cfg = compose(overrides)
+        run_dir, sweep_dir = str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
+        config = job_config(without_hydra(cfg), overrides)
+    if not config_only and check_mesh:
+        shape = expected_mesh(config.dist, config.model.n_routed_experts)
+        refuse_comm_hook(seam_owner(config.trick, "comm_hook"), shape, config.train.log_grad_consistency)
+    if not config_only:
+        from ciuic_train.data.sources import find_sources  # fails fast on a missing corpus, before any folder exists
+
+        find_sources(config.data)
+        _check_resume(config, Path(run_dir))
+        _check_init_from(config, Path(run_dir))
+    return CheckedJob(config, run_dir, sweep_dir)
+
+
+def _check_resume(config: Config, run_dir: Path) -> None:
+    """Refuse a checkpoint this run cannot continue before Hydra touches its folder."""
+    from ciuic_train.checkpoint.resume import check_resumable, read_meta, resolve_resume, run_fingerprint
+
+    path = resolve_resume(config.resume, run_dir)
+    if path is None:
+        return
+    world_size, _ = expected_world(config.dist)
+    expected = run_fingerprint(config.model, list(config.trick), world_size)
+    check_resumable(read_meta(path), expected, config.ckpt.allow_trick_change)
+
+
+def _check_init_from(config: Config, run_dir: Path) -> None:
+    """Check init_from's tensor names and shapes before Hydra touches the run folder; a run
+    that will resume its own checkpoint does not read it."""
+    from ciuic_train.checkpoint.hf_weights import check_init_from
+    from ciuic_train.checkpoint.resume import resolve_resume
+
+    if config.init_from and resolve_resume(config.resume, run_dir) is None:
+        check_init_from(config.model, Path(config.init_from).expanduser())

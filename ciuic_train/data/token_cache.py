@@ -1,0 +1,230 @@
+"""The tokenized cache: text corpora tokenized once, in bounded memory, shared by runs and ranks.
+
+An entry is a folder in the nanoGPT layout (`train.bin`, `val.bin`: flat token ids, uint16
+or uint32 as `tokens.json` beside them says, and the tokenizer.json that made them). Its
+name is a key made of the source files' names, sizes and modification times and of the
+tokenizer (bytes, a tokenizer.json, or a BPE trained here on the training split), so a
+second run with the same sources starts at once.
+
+Tokenizing streams: files, cut into chunks of `data.chunk_mb` at newlines, go to worker
+processes and their ids are appended to the token files in order, so memory stays
+bounded whatever the corpus size. An entry is built in a temporary folder renamed into
+place when complete, under a lock on the cache: one process tokenizes (one per node
+without a shared filesystem), the others wait for it and then read its entry.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import multiprocessing
+import os
+import shutil
+import socket
+from collections import deque
+from contextlib import contextmanager
+from itertools import pairwise
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ciuic_train.config import DataConfig
+from ciuic_train.data.sources import Sources
+from ciuic_train.data.tokenizer import (
+    BPE,
+    BYTES,
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    JsonTokenizer,
+    Tokenizer,
+    cut_points,
+    load_tokenizer_file,
+    train_bpe,
+)
+from ciuic_train.files import write_json_atomic
+
+log = logging.getLogger("ciuic_train")
+
+# Files are joined with a blank line so one file's end never runs into the next's start.
+FILE_SEPARATOR = b"\n\n"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ciuic-train"
+
+
+def cache_entry(sources: Sources, cfg: DataConfig) -> Path:
+    """The cache folder holding `sources` tokenized as `cfg` says, built first unless it is there."""
+    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    tokenizer = None if cfg.tokenizer in (BYTES, BPE) else load_tokenizer_file(cfg.tokenizer)
+    suffix = f"-tok{tokenizer.fingerprint()}" if tokenizer else {BYTES: "", BPE: f"-bpe{cfg.vocab_size}"}[cfg.tokenizer]
+    folder = cache / f"{sources.kind}-{_sources_key(sources)}{suffix}"
+    if not _complete(folder):
+        with _cache_lock(folder):
+            if not _complete(folder):
+                _build_entry(sources, cfg, folder, tokenizer or ByteTokenizer())
+    return folder
+
+
+def _complete(folder: Path) -> bool:
+    # An entry appears by renaming its finished folder; folders of older versions were
+    # complete once val.bin (written last) was there.
+    return (folder / "val.bin").is_file()
+
+
+@contextmanager
+def _cache_lock(folder: Path) -> Iterator[None]:
+    """One process at a time builds the cache entry `folder`; the kernel drops the lock of
+    a process that dies, so a killed tokenizer never blocks the next run."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder.parent / f".{folder.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if int(os.environ.get("RANK", 0)) == 0:
+                log.info(f"waiting for another process that is tokenizing into {folder}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:  # a filesystem without flock (some NFS mounts): each builds, the first rename wins
+            log.warning(f"cannot lock {folder.parent} ({err.strerror}); every process tokenizes for itself")
+        yield
+    finally:
+        os.close(fd)
+
+
+def _sources_key(sources: Sources) -> str:
+    h = hashlib.sha256(f"v1 {sources.tail_fraction}".encode())
+    for split, files in (("train", sources.train), ("val", sources.val)):
+        for f in files:
+            st = f.stat()
+            h.update(f"{split} {f.resolve()} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _build_entry(sources: Sources, cfg: DataConfig, folder: Path, tokenizer: Tokenizer) -> None:
+    """Tokenize the sources into a new folder (training the BPE first if asked), renamed
+    to `folder` once complete."""
+    chunk_bytes = max(1, int(cfg.chunk_mb * 2**20))
+    tmp = folder.with_name(f".{folder.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # unique on a shared disk
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if cfg.tokenizer == BPE:
+            if int(os.environ.get("RANK", 0)) == 0:
+                log.info(f"training a byte-level BPE of {cfg.vocab_size} tokens on {len(sources.train)} files")
+            tokenizer = train_bpe(_texts(sources.train, chunk_bytes), cfg.vocab_size)
+        if tokenizer.to_str() is not None:
+            (tmp / TOKENIZER_FILE).write_text(tokenizer.to_str(), encoding="utf-8")
+        counts = _write_tokens(sources, tokenizer, tmp, chunk_bytes, cfg.workers)
+        dtype = np.dtype(tokenizer.dtype).name
+        write_json_atomic(tmp / "tokens.json",
+                          {"tokenizer": tokenizer.name, "dtype": dtype, "vocab_size": tokenizer.vocab_size, **counts})
+        if folder.exists() and not _complete(folder):  # an unfinished entry of an older version, built in place
+            shutil.rmtree(folder)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not _complete(folder):
+                raise  # else another process, not locked out (`_cache_lock`), finished first: its entry serves
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _texts(files: list[Path], chunk_bytes: int) -> Iterator[str]:
+    """The files' text, a chunk at a time (what the BPE trainer reads)."""
+    for f in files:
+        for start, end in pairwise(cut_points(f, chunk_bytes)):
+            yield _read_range(f, start, end).decode("utf-8", errors="replace")
+
+
+def _read_range(path: Path, start: int, end: int) -> bytes:
+    with path.open("rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+# (split, file, start, end): one chunk of work, a file's bytes [start, end).
+Chunk = tuple[str, Path, int, int]
+
+
+def _chunks(sources: Sources, chunk_bytes: int) -> list[Chunk]:
+    return [
+        (split, f, start, end)
+        for split, files in (("train", sources.train), ("val", sources.val))
+        for f in files
+        for start, end in pairwise(cut_points(f, chunk_bytes))
+    ]
+
+
+def _write_tokens(sources: Sources, tokenizer: Tokenizer, folder: Path, chunk_bytes: int, workers: int) -> dict[str, int]:
+    """Append each chunk's ids to train.bin / val.bin in order; a missing val split is the
+    tail of the training tokens. Returns the token counts."""
+    chunks = _chunks(sources, chunk_bytes)
+    dtype = np.dtype(tokenizer.dtype)
+    with (folder / "train.bin").open("wb") as train, (folder / "val.bin").open("wb") as val:
+        outputs = {"train": train, "val": val}
+        for split, tokens in _tokenized(chunks, tokenizer, chunk_bytes, workers):
+            tokens.astype(dtype, copy=False).tofile(outputs[split])
+    if not sources.val:
+        _move_tail(folder / "train.bin", folder / "val.bin", dtype, sources.tail_fraction)
+    return {f"{split}_tokens": (folder / f"{split}.bin").stat().st_size // dtype.itemsize for split in ("train", "val")}
+
+
+def _move_tail(train: Path, val: Path, dtype: np.dtype, fraction: float) -> None:
+    """The last `fraction` of train.bin's tokens become val.bin, copied a block at a time."""
+    n = train.stat().st_size // dtype.itemsize
+    cut = (n - max(1, int(n * fraction))) * dtype.itemsize
+    with train.open("rb") as source, val.open("wb") as target:
+        source.seek(cut)
+        shutil.copyfileobj(source, target, 1 << 24)
+    os.truncate(train, cut)
+
+
+def _tokenized(chunks: list[Chunk], tokenizer: Tokenizer, chunk_bytes: int, workers: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Each chunk's (split, ids), in order. Bytes need no tokenizer work, and a corpus of one
+    chunk is not worth starting processes for: both stay in this process."""
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    total = sum(end - start for _, _, start, end in chunks)
+    if isinstance(tokenizer, ByteTokenizer) or workers == 1 or total <= chunk_bytes:
+        for chunk in chunks:
+            yield _tokenize_chunk(chunk, tokenizer)
+        return
+    # fork (as torch's DataLoader workers): `python -m ciuic_train` runs its main at
+    # import, which spawn would repeat in each worker. The workers are the parallelism,
+    # one tokenizer thread each; this also keeps tokenizers from warning about the fork.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    context = multiprocessing.get_context("fork")
+    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer.name, tokenizer.to_str())) as pool:
+        # At most 2 chunks per worker are read or held at once: memory stays bounded
+        # however far the writer lags.
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_work, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        for result in pending:
+            yield result.get()
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(name: str, json_text: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = JsonTokenizer(name, json_text)
+
+
+def _work(chunk: Chunk) -> tuple[str, np.ndarray]:
+    return _tokenize_chunk(chunk, _worker_tokenizer)
+
+
+def _tokenize_chunk(chunk: Chunk, tokenizer: Tokenizer) -> tuple[str, np.ndarray]:
+    split, path, start, end = chunk
+    data = _read_range(path, start, end)
+    if end == path.stat().st_size:
+        data += FILE_SEPARATOR
+    return split, tokenizer.encode_bytes(data)
+

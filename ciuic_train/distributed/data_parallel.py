@@ -1,0 +1,89 @@
+"""Data parallelism: DDP replicas, or FSDP2 shards (HSDP when both).
+
+`parallelize` calls one of these last, once the blocks compute what they will run:
+
+- `replicate_with_ddp` (`dp_shard=1`): every rank holds the whole model, and DDP
+  all-reduces the gradients in buckets during backward, or a trick's communication hook
+  does in its place;
+- `shard_with_fsdp` (`dp_shard > 1`): FSDP2 shards each block's parameters over the
+  shard ranks and gathers them when the block runs, then reduce-scatters the gradients
+  (and all-reduces them across replicas under HSDP). The routed experts, already split
+  over `ep`, are sharded over the ranks that hold the same experts instead.
+
+"Shard" in this package means this: FSDP2 splitting a parameter over ranks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ciuic_train.distributed.expert_parallel import expert_parameters
+
+if TYPE_CHECKING:
+    from ciuic_train.distributed.mesh import Mesh
+    from ciuic_train.tricks import CommHook
+
+
+def replicate_with_ddp(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None, bucket_mb: float = 25.0) -> nn.Module:
+    """DDP: every rank a full replica, gradients all-reduced in buckets of `bucket_mb` MiB
+    during backward (a bucket goes as soon as its gradients are ready)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Buffers are not re-broadcast before each forward: each rank's MoE token counts are
+    # its own until `balance_experts` all-reduces them.
+    newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    no_buffer_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
+    device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
+    group = mesh.replicas().get_group() if mesh.device_mesh is not None else None  # None: the default group
+    replica = DistributedDataParallel(
+        model, device_ids=device_ids, process_group=group, bucket_cap_mb=bucket_mb, **no_buffer_sync
+    )
+    if comm_hook is not None:
+        replica.register_comm_hook(comm_hook.state, comm_hook.hook)
+    return replica
+
+
+def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool) -> None:
+    """FSDP2: each block's (and MTP depth's) parameters sharded across ranks and gathered
+    when it runs; then the rest (embedding, final norm, lm head) as the root.
+
+    Under expert parallelism the experts are DTensors split over `ep`; FSDP shards them
+    further over the ranks that hold the same experts (`Mesh.expert_copies`), through a
+    per-parameter placement, and averages their gradients there (scaled for that by
+    `ExpertDispatch`). A divide factor of the world size set on the blocks would say the
+    same, but torch 2.13 applies it twice where the expert group has one rank (gloo).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16 and mesh.device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
+    dense = mesh.dense()
+    placement = _expert_placement(model, mesh) if mesh.shape.ep > 1 else None
+    for unit in [*model.layers, *model.mtp]:  # an MTP depth is gathered as a whole
+        fully_shard(unit, mesh=dense, mp_policy=policy, shard_placement_fn=placement)
+    fully_shard(model, mesh=dense, mp_policy=policy)
+
+
+def _expert_placement(model: nn.Module, mesh: Mesh):
+    """FSDP's per-parameter placement: experts dim 0 over `expert_copies`, the rest by default.
+
+    FSDP2 (torch 2.13) takes a per-parameter mesh only through these private classes.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    copies = mesh.expert_copies()
+    info = (
+        HSDPMeshInfo(copies, shard_mesh_dim=1, replicate_mesh_dim=0)
+        if copies.ndim == 2
+        else FSDPMeshInfo(copies, shard_mesh_dim=0)
+    )
+    experts = expert_parameters(model)
+    return lambda param: ShardPlacementResult(Shard(0), info) if param in experts else None

@@ -1,0 +1,233 @@
+"""A DeepSeek-V2/V3 style decoder: Multi-head Latent Attention plus DeepSeekMoE, in plain PyTorch.
+
+This file is the model: the loss, the table of the four costliest computations, and the
+`Transformer` (embedding, blocks, final norm, head, the multi-token-prediction depths,
+init, forward and the expert balancing step). Its parts live beside it, one to a file:
+`norm.py` (RMSNorm), `rope.py` and `yarn.py` (positions), `attention.py` (MLA), `moe.py`
+(the dense SwiGLU and the MoE), `block.py`, `mtp.py`; `counting.py` counts parameters and
+FLOPs, `sampling.py` samples.
+
+Most of a training step's time goes to four computations: the norms, the attention, the
+routed experts and the loss. Each is one plain function (`norm.rms_norm`,
+`attention.causal_attention`, `common.grouped_swiglu`, `lm_cross_entropy` here), gathered
+in `REFERENCE`. `model.kernels=auto` (the default) swaps in the fast versions from
+`ciuic_train/model/kernels/` where they serve the device; `model.kernels=reference` runs
+these formulas everywhere. Tests hold the two to the same results, forward and gradients.
+
+Weight decay rule for the trainer: decay parameters with ndim >= 2 except
+`tok_embeddings.weight`. That excludes norms and keeps matrices, including the stacked
+expert weights and `lm_head.weight`.
+
+Building on meta works: `with torch.device("meta"): model = Transformer(cfg)` allocates
+nothing; after `model.to_empty(device=...)` call `model.init_weights()` to fill in real
+parameters and buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ciuic_train.model.attention import causal_attention
+from ciuic_train.model.block import Block
+from ciuic_train.model.common import IGNORE_INDEX, Kernels, grouped_swiglu
+from ciuic_train.model.config import ModelConfig
+from ciuic_train.model.kernels import AUTO
+from ciuic_train.model.moe import MoE
+from ciuic_train.model.mtp import MultiTokenPrediction
+from ciuic_train.model.norm import RMSNorm, rms_norm
+from ciuic_train.model.rope import rope_tables
+
+
+def lm_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Cross-entropy, in fp32, of the logits h @ weight^T [N, vocab] against targets [N]."""
+    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+REFERENCE = Kernels(rms_norm, causal_attention, grouped_swiglu, lm_cross_entropy)
+
+
+def kernels_for(choice: str) -> Kernels:
+    """`reference`: the plain formulas of the model's files; `auto`: the fast paths of model/kernels/."""
+    return REFERENCE if choice == "reference" else AUTO
+
+
+class Transformer(nn.Module):
+    """Token ids [B, T] -> logits [B, T, vocab_size], or with targets the loss (see forward).
+
+    Parameter names the trainer relies on: `tok_embeddings` (not weight-decayed) and
+    `lm_head` (decayed like any matrix). `mtp` holds the multi-token-prediction depths
+    (`model.n_mtp_layers`, none by default); only training forwards run them.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.kernels = kernels_for(cfg.kernels)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(
+            Block(cfg, use_moe=i >= cfg.n_dense_layers, kernels=self.kernels) for i in range(cfg.n_layers)
+        )
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.kernels.rms_norm)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        # Built without drawing from the global RNG and registered last (init_weights goes in
+        # registration order), so turning MTP on leaves the main model's first weights as they were.
+        with torch.random.fork_rng(devices=[]):
+            self.mtp = nn.ModuleList(MultiTokenPrediction(cfg, self.kernels) for _ in range(cfg.n_mtp_layers))
+        # The mean MTP loss of the last training forward that ran them (`loss_figures`).
+        self.mtp_loss: torch.Tensor | None = None
+        # Recomputable from the config, so kept out of checkpoints.
+        half_rope = cfg.qk_rope_head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half_rope), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half_rope), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and buffer from the global torch RNG.
+
+        Called by __init__; call it again after `to_empty()` on a model built on meta.
+        """
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, MoE):
+                nn.init.normal_(module.w13, mean=0.0, std=std)
+                nn.init.normal_(module.w2, mean=0.0, std=std)
+                module.expert_bias.zero_()
+                module.tokens_per_expert.zero_()
+        cos, sin = rope_tables(
+            self.config.qk_rope_head_dim,
+            self.config.max_seq_len,
+            self.config.rope_theta,
+            device=self.rope_cos.device,
+            cfg=self.config,
+        )
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        reduction: str = "mean",
+        mtp_loss_weight: float = 0.0,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab], or with `targets` [B, T] the fp32 cross-entropy ("mean" or "sum").
+
+        The loss goes through forward so that DDP and FSDP see it. Targets equal to
+        `IGNORE_INDEX` (-100) are ignored, as in `F.cross_entropy`. In training, the
+        balance losses and, with MTP depths and `mtp_loss_weight` > 0, that weight times the
+        mean MTP loss join the gradient; the value returned stays the next-token loss, so it
+        compares across runs with and without them (`loss_figures` gives the others).
+        """
+        h = self.norm(self.trunk(idx))  # [B, T, dim]
+        if targets is None:
+            return self.lm_head(h)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+        loss = self.kernels.loss(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction)
+        if not self.training:
+            return loss
+        extra = [term for moe in self.moe_layers(mtp=False).values() for term in moe.balance_loss.values()]
+        if self.mtp and mtp_loss_weight:
+            self.mtp_loss = self.multi_token_loss(h, idx, targets, reduction)
+            extra.append(mtp_loss_weight * self.mtp_loss)
+            extra += [term for moe in self.mtp_moe_layers() for term in moe.balance_loss.values()]
+        if extra:
+            total = torch.stack(extra).sum()
+            loss = loss + (total - total.detach())  # adds their gradient, and exactly 0
+        return loss
+
+    def multi_token_loss(
+        self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, reduction: str
+    ) -> torch.Tensor:
+        """The mean over MTP depths of each depth's loss, from the main model's output h [B, T, dim].
+
+        Depth k sees positions 0 .. T-k-1 (a position needs the token k ahead as input and
+        the one k+1 ahead as target): h of the previous depth there (the main model's
+        normalised output for k = 1, as inference engines feed DeepSeek's MTP weights),
+        the tokens idx[:, k:], the targets targets[:, k:].
+        """
+        seq = idx.shape[1]
+        losses = []
+        for k, depth in enumerate(self.mtp, start=1):
+            cos, sin = self.rope_cos[: seq - k], self.rope_sin[: seq - k]
+            h, normed = depth(h[:, : seq - k], self.tok_embeddings(idx[:, k:]), cos, sin)
+            losses.append(self.kernels.loss(normed.flatten(0, 1), self.lm_head.weight, targets[:, k:].flatten(), reduction))
+        return torch.stack(losses).mean()
+
+    def loss_figures(self) -> dict[str, float]:
+        """The last training forward's side losses: the weighted balance losses summed over MoE
+        layers (`aux_loss`, `seq_aux_loss`) and the mean MTP loss (`mtp_loss`), where on."""
+        terms: dict[str, list[torch.Tensor]] = {}
+        for moe in self.moe_layers().values():
+            for name, value in moe.balance_loss.items():
+                terms.setdefault(name, []).append(value.detach())
+        if self.mtp_loss is not None:
+            terms["mtp_loss"] = [self.mtp_loss.detach()]
+        if not terms:
+            return {}
+        totals = torch.stack([torch.stack(values).sum() for values in terms.values()]).tolist()  # one sync
+        return dict(zip(terms, totals))
+
+    def trunk(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> the last block's hidden states [B, T, dim] (before the final norm)."""
+        seq = idx.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq} exceeds model.max_seq_len={self.config.max_seq_len}"
+            )
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return x
+
+    def blocks(self) -> list[Block]:
+        """Every transformer block: the main model's, then those of the MTP depths."""
+        return [*self.layers, *(depth.block for depth in self.mtp)]
+
+    def moe_layers(self, mtp: bool = True) -> dict[int, MoE]:
+        """The MoE layers by layer index; MTP depth j counts as layer n_layers + j, as in
+        DeepSeek's checkpoints (`mtp=False`: the main model's only)."""
+        blocks = self.blocks() if mtp else self.layers
+        return {i: block.ffn for i, block in enumerate(blocks) if isinstance(block.ffn, MoE)}
+
+    def mtp_moe_layers(self) -> list[MoE]:
+        return [depth.block.ffn for depth in self.mtp if isinstance(depth.block.ffn, MoE)]
+
+    @torch.no_grad()
+    def balance_experts(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> float:
+        """One auxiliary-loss-free balancing step from the tokens counted since the last call.
+
+        Call after each optimizer step. `all_reduce`, if given, must sum a tensor in place
+        across ranks (e.g. `torch.distributed.all_reduce`), so every rank sees the global
+        load and makes the same bias update; all layers' counts go through it as one
+        tensor. Returns the worst layer's load imbalance, max over mean tokens per expert
+        (1.0 is perfect balance; n_routed_experts / n_activated_experts is total collapse).
+        """
+        moes = list(self.moe_layers().values())
+        if not moes:
+            return 1.0
+        loads = torch.stack([moe.tokens_per_expert for moe in moes])  # [MoE layers, E]
+        if all_reduce is not None:
+            all_reduce(loads)
+        imbalance = (loads.amax(dim=1) / loads.mean(dim=1).clamp_min(1)).max().item()
+        for moe, load in zip(moes, loads):
+            moe.update_bias(load)
+            moe.tokens_per_expert.zero_()
+        return imbalance
+
+    def forget_expert_counts(self) -> None:
+        """Drop the counts of a step that is not applied, instead of `balance_experts`."""
+        for moe in self.moe_layers().values():
+            moe.tokens_per_expert.zero_()

@@ -1,0 +1,119 @@
+"""`--plan`'s output: the model, the memory of one rank and the bytes it sends, as three tables.
+
+The figures are `plan.plan_figures`'s; this module only lays them out (with rich).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ciuic_train.config import Config
+from ciuic_train.files import format_bytes
+from ciuic_train.tools.plan import GPUS, build_meta_model, plan_figures, resolve_plan_mesh
+
+
+def print_plan(config: Config) -> None:
+    """Build the model on the meta device (no memory) and print its size, the run's shape,
+    and the per-rank memory and communication for the mesh."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ciuic_train.model import count_mtp_parameters, count_parameters
+
+    mesh = resolve_plan_mesh(config)  # a bad mesh is a one-line error before torch loads
+    model = build_meta_model(config)
+    total, active = count_parameters(model)
+    mtp_total, mtp_active = count_mtp_parameters(model)
+    m, t = config.model, config.train
+    table = Table(title=f"plan: model={m.name}", show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    rows = {
+        "parameters (total)": f"{total:,} ({total / 1e9:.2f} B)",
+        "parameters (active per token)": f"{active:,} ({active / 1e9:.2f} B)",
+        **({
+            f"MTP ({m.n_mtp_layers} depth{'s' * (m.n_mtp_layers > 1)})": (
+                f"+ {mtp_total:,} ({mtp_total / 1e9:.2f} B, {mtp_active / 1e9:.2f} B active); shares the "
+                f"embedding and head, which DeepSeek's released MTP weights copy "
+                f"({(mtp_total + 2 * m.vocab_size * m.dim) / 1e9:.2f} B with them)"
+            )
+        } if mtp_total else {}),
+        "layers (dense + MoE)": f"{m.n_layers} ({m.n_dense_layers} + {m.n_layers - m.n_dense_layers})",
+        "experts per MoE layer": f"{m.n_routed_experts} routed (top-{m.n_activated_experts}) + {m.n_shared_experts} shared",
+        "attention": f"MLA, {m.n_heads} heads, kv_lora_rank {m.kv_lora_rank}, q_lora_rank {m.q_lora_rank or 'none'}",
+        "fp32 weights + AdamW state": f"{(total + mtp_total) * 16 / 2**30:,.1f} GiB",
+        "tokens per optimizer step": f"{t.batch_size * t.seq_len * t.grad_accum * mesh.world_size:,}",
+        "data": config.data.name + (f" ({config.data.path})" if config.data.path else ""),
+        "tricks": ", ".join(sorted(config.trick)) or "none",
+    }
+    for key, value in rows.items():
+        table.add_row(key, value)
+    console = Console()
+    console.print(table)
+    figures = plan_figures(config, model)
+    console.print(_memory_table(config, figures))
+    console.print(_comm_table(figures))
+
+
+def _memory_table(config: Config, f: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    mem, mesh, w = f["memory"], f["mesh"], f["widths"]
+    gathered = {2: "bf16", 4: "fp32"}[w["gather"]]
+    table = Table(
+        title=f"per rank: {f['world_size']} ranks ({config.dist.nnodes} x {config.dist.nproc_per_node}), "
+        f"{mesh['strategy']} dp_replicate={mesh['dp_replicate']} x dp_shard={mesh['dp_shard']}, "
+        f"ep={mesh['ep']}, efsdp={mesh['efsdp']}",
+    )
+    table.add_column("memory", style="bold")
+    table.add_column("per rank", justify="right")
+    table.add_column("how")
+
+    def split(d: dict[str, int]) -> str:
+        return f"experts {format_bytes(d['experts'])} + other {format_bytes(d['other'])}"
+
+    table.add_row("parameters", format_bytes(sum(mem["params"].values())), f"fp32; {split(mem['params'])} (exact)")
+    table.add_row("gradients", format_bytes(sum(mem["grads"].values())), "fp32, as the parameters (exact)")
+    table.add_row("AdamW state", format_bytes(sum(mem["optimizer"].values())), "2 x fp32 per parameter (exact)")
+    if mem["ddp_buckets"]:
+        table.add_row("DDP buckets", format_bytes(mem["ddp_buckets"]), "the reducer's fp32 copy of the gradients")
+    if mem["accumulated_grads"]:
+        table.add_row("accumulated grads", format_bytes(mem["accumulated_grads"]),
+                      "grad_accum > 1: FSDP2 keeps unsharded fp32 gradients between micro-batches")
+    if mesh["strategy"] in ("fsdp", "hsdp"):
+        table.add_row("largest block all-gather", format_bytes(mem["largest_block_all_gather"]), f"{gathered} (exact)")
+        table.add_row("root all-gather", format_bytes(mem["root_all_gather"]), f"{gathered}, held all step (exact)")
+        table.add_row("FSDP buffers", format_bytes(mem["fsdp_buffers"]),
+                      "root + 2 x largest block + one unit's gradients (estimate)")
+    acts = mem["activations"]
+    tokens = f"{config.train.batch_size} x {config.train.seq_len} tokens"
+    for key, label in (("no_ac", "without AC"), ("ac", "with AC")):
+        configured = ", as configured" if (key == "ac") == f["activation_checkpointing"] else ""
+        table.add_row(f"activations {label}", format_bytes(acts[key]), f"{tokens}, estimate{configured}")
+    for key, label in (("no_ac", "without AC"), ("ac", "with AC")):
+        verdicts = ", ".join(
+            f"{gpu} ({cap:g} GiB): {'fits' if f['fits'][gpu][key] else 'does not fit'}" for gpu, cap in GPUS.items()
+        )
+        table.add_row(f"total {label}", format_bytes(mem["total"][key]), verdicts)
+    return table
+
+
+def _comm_table(f: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    comm = f["comm"]
+    table = Table(title="communication per optimizer step: bytes each rank sends")
+    table.add_column("collective", style="bold")
+    table.add_column("per rank", justify="right")
+    table.add_column("what")
+    ar = comm["all_reduce"]
+    parts = [
+        f"{name} {format_bytes(ar[key])}"
+        for key, name in (("ddp_grads", "DDP grads"), ("hsdp_replicas", "HSDP replicas"), ("moe_load", "MoE load"))
+        if ar[key]
+    ]
+    table.add_row("all-gather", format_bytes(comm["all_gather"]), "FSDP: blocks forward + backward, root once (exact)")
+    table.add_row("reduce-scatter", format_bytes(comm["reduce_scatter"]), "FSDP: fp32 gradients, once a step (exact)")
+    table.add_row("all-reduce", format_bytes(ar["total"]), (", ".join(parts) or "none") + " (exact)")
+    table.add_row("all-to-all", format_bytes(comm["all_to_all"]), "EP: token rows, uniform routing (estimate)")
+    return table
