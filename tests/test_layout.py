@@ -79,7 +79,7 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_graph_sees_imports_inside_functions(tmp_path: Path):
+def test_graph_sees_imports_inside_functions():
     graph = import_graph()
     assert "ciuic_train.train.trainer" in graph["ciuic_train.cli.job"]  # imported inside a function
 

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ciuic_train.cli.compose import CONFIG_MODULE, CONFIG_NAME, job_config
 from ciuic_train.cli.flags import PROG
-from ciuic_train.cli.messages import fail, is_rank_0
+from ciuic_train.cli.messages import fail, is_rank_0, print_error
 from ciuic_train.config import Config
 from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError
 from ciuic_train.launch import paths as launch, runlock
@@ -94,7 +94,7 @@ def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> di
         message = lost_peers_message(err, config.dist.timeout_s, parallel.addresses if parallel else [])
         if message is None:
             raise
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print_error(message)
         sys.exit(1)
     finally:
         if parallel is not None:
@@ -117,7 +117,7 @@ def _run_failed(message: str) -> None:
         _write_to_log_files(message)
     if HydraConfig.get().mode is RunMode.MULTIRUN:
         if message:
-            print(f"{PROG}: error: {message}", file=sys.stderr)
+            print_error(message)
         raise SweepJobFailed(
             f"{PROG}: error: sweep job #{HydraConfig.get().job.num} failed (see above and its train.log); "
             "the other jobs ran"

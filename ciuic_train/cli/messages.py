@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 import typing
 from difflib import get_close_matches
@@ -23,17 +22,23 @@ from omegaconf.errors import OmegaConfBaseException
 from ciuic_train.cli.flags import PROG
 from ciuic_train.config import Config
 from ciuic_train.errors import UserError, first_line
+from ciuic_train.launch.paths import launcher_rank
 
 
 def fail(message: str, status: int = 2) -> None:
     """Report a mistake in one line and exit; under torchrun only rank 0 speaks."""
     if is_rank_0():
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print_error(message)
     sys.exit(status)
 
 
+def print_error(message: str) -> None:
+    """The one shape of every error line the command prints: `ciuic-train: error: ...`."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
 def is_rank_0() -> bool:
-    return int(os.environ.get("RANK", 0)) == 0
+    return launcher_rank() == 0
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ from ciuic_train.data.tokenizer import (
     train_bpe,
 )
 from ciuic_train.files import write_json_atomic
+from ciuic_train.launch.paths import launcher_rank
 
 log = logging.getLogger("ciuic_train")
 
@@ -85,7 +86,7 @@ def _cache_lock(folder: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if int(os.environ.get("RANK", 0)) == 0:
+            if launcher_rank() == 0:
                 log.info(f"waiting for another process that is tokenizing into {folder}")
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as err:  # a filesystem without flock (some NFS mounts): each builds, the first rename wins
@@ -113,7 +114,7 @@ def _build_entry(sources: Sources, cfg: DataConfig, folder: Path, tokenizer: Tok
     tmp.mkdir(parents=True)
     try:
         if cfg.tokenizer == BPE:
-            if int(os.environ.get("RANK", 0)) == 0:
+            if launcher_rank() == 0:
                 log.info(f"training a byte-level BPE of {cfg.vocab_size} tokens on {len(sources.train)} files")
             tokenizer = train_bpe(_texts(sources.train, chunk_bytes), cfg.vocab_size)
         if tokenizer.to_str() is not None:

@@ -144,7 +144,7 @@ class ElasticWorker(LaunchPath):
 
     def overrides_after_check(self, run_dir: str) -> list[str]:
         """Rank 0 alone writes in the run folder."""
-        return list(WORKER_OVERRIDES) if int(os.environ.get("RANK", 0)) != 0 else []
+        return list(WORKER_OVERRIDES) if launcher_rank() != 0 else []
 
 
 class ElasticLauncher(LaunchPath):
@@ -253,6 +253,12 @@ def reported_exit_status(exit_codes: dict[int, int]) -> int | None:
         return None
     stopped = {status, -signal.SIGTERM, -signal.SIGKILL}
     return status if all(code in stopped for code in exit_codes.values()) else None
+
+
+def launcher_rank() -> int:
+    """This process's rank as its launcher set it (`RANK`; 0 where nothing launched it),
+    readable before any process group exists, and without torch."""
+    return int(os.environ.get("RANK", 0))
 
 
 def uses_agent_store() -> bool:
