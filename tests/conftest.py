@@ -57,3 +57,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that need a cluster (Slurm, emulated hosts) start several processes by nature:
+    they are slow too, so `pytest -m "not slow"` leaves them out without listing each."""
+    for item in items:
+        if item.get_closest_marker("slurm") or item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.slow)

@@ -171,6 +171,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(tmp_path, text_cor
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == step + 3
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_after_a_killed_rank_and_ends_like_an_uninterrupted_run(tmp_path, text_corpus):
     common = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=30", "ckpt.every=5", "train.log_every=5"]
 

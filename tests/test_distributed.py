@@ -31,6 +31,7 @@ def corpus_args(text_corpus: Path, tmp_path: Path) -> list[str]:
     return ["data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_share_one_run_folder_written_by_rank_0(tmp_path, text_corpus):
     """No hydra.run.dir: each rank resolves ${now:} itself, yet one folder must result."""
     result = torchrun(
@@ -51,6 +52,7 @@ def test_torchrun_ranks_share_one_run_folder_written_by_rank_0(tmp_path, text_co
     assert result.stdout.count("step 12 |") == 1  # rank 0 alone reports
 
 
+@pytest.mark.slow
 def test_two_nodes_over_c10d_rendezvous_agree(tmp_path, text_corpus):
     port, run_dir = free_port(), tmp_path / "run"
     common = [
@@ -73,6 +75,7 @@ def test_two_nodes_over_c10d_rendezvous_agree(tmp_path, text_corpus):
     assert summary["world_size"] == 2 and len(summary["param_checksum"]) == 16
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_match_one_process_with_the_double_batch(tmp_path, text_corpus):
     """Rank shares of the epoch are strided, so ranks' batches of B together are the one-process batch of 2B.
 
@@ -91,6 +94,7 @@ def test_ddp_two_ranks_match_one_process_with_the_double_batch(tmp_path, text_co
     assert losses(tmp_path / "ddp")[-1] < losses(tmp_path / "ddp")[0]
 
 
+@pytest.mark.slow
 def test_cli_launcher_trains_fsdp_on_two_processes(tmp_path, text_corpus):
     run_dir = tmp_path / "run"
     result = run_cli(
@@ -104,6 +108,7 @@ def test_cli_launcher_trains_fsdp_on_two_processes(tmp_path, text_corpus):
     assert (run_dir / ".hydra" / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_ranks_with_different_configs_are_refused(tmp_path, text_corpus):
     result = torchrun(
         "--nproc_per_node=2", "-m", "ciuic_train", *TINY, *corpus_args(text_corpus, tmp_path),
@@ -114,6 +119,7 @@ def test_ranks_with_different_configs_are_refused(tmp_path, text_corpus):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_each_job_on_two_processes(tmp_path, text_corpus):
     sweep_dir = tmp_path / "sweep"
     result = run_cli(
@@ -126,6 +132,7 @@ def test_a_sweep_runs_each_job_on_two_processes(tmp_path, text_corpus):
     assert summaries[0]["param_checksum"] != summaries[1]["param_checksum"]
 
 
+@pytest.mark.slow
 def test_grad_consistency_is_logged_without_changing_the_training(tmp_path, text_corpus):
     """The metric averages the gradients itself on logging steps, as DDP would have: the
     weights end bit-identical to a run without it."""

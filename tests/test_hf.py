@@ -271,6 +271,7 @@ def test_mtp_depths_are_written_under_deepseeks_names_and_read_back(tmp_path, ca
     load_hf_weights(Transformer(ModelConfig(score_func="sigmoid")), folder)  # without MTP: its layer is ignored
 
 
+@pytest.mark.slow
 def test_init_from_under_two_rank_fsdp_gives_the_same_first_loss(plain, tmp_path, caplog):
     model, folder, overrides = plain
     result = torchrun("--nproc_per_node=2", "-m", "ciuic_train", *overrides, f"init_from={folder}",

@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0",
         "progress=plain"]
 SEED = int(os.environ.get("KILL_ANYWHERE_SEED", 4))
@@ -168,6 +170,7 @@ def describe(kills: list[Kill]) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_sigkill_a_rank_anywhere_and_resume_ends_like_an_uninterrupted_run(tmp_path, text_corpus):
     common = [*TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
               f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=10", "ckpt.every=1",

@@ -45,6 +45,7 @@ def corpus(tmp_path_factory) -> Path:
     return write_text_corpus(tmp_path_factory.mktemp("plan") / "corpus")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, layout",
     [

@@ -91,6 +91,7 @@ def test_skipping_stops_after_max_skipped_steps_in_a_row(tmp_path, text_corpus, 
     assert all_finite(trainer.model.state_dict().values())
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_stops_every_rank_with_one_line(tmp_path, text_corpus):
     """Rank 1 alone sees a NaN loss: both ranks stop at that step, no hang, one line, status 3."""
     run_dir = tmp_path / "run"
@@ -263,6 +264,7 @@ def small_filesystem(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes_once_there_is_room(
         tmp_path, text_corpus, small_filesystem):
     args = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=10", "ckpt.every=2", "ckpt.keep_last=3",

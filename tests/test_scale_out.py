@@ -150,6 +150,7 @@ def assert_same_training(run_dir: Path, single: Path, tmp: Path) -> None:
         torch.testing.assert_close(weights[name], expected[name], rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_expert_parallel_on_two_ranks_trains_as_one_process(expert_parallel, single, tmp_path):
     assert_same_training(expert_parallel, single, tmp_path)
     ours, reference = summary(expert_parallel), summary(single)
@@ -160,6 +161,7 @@ def test_expert_parallel_on_two_ranks_trains_as_one_process(expert_parallel, sin
     assert (expert_parallel / "train.log").read_text().count("sample: ") == 1
 
 
+@pytest.mark.slow
 def test_hsdp_with_expert_parallelism_on_four_ranks_trains_as_one_process(workdir, single, tmp_path):
     run_dir = train(workdir, "hsdp_ep", 4, 2, "dist.dp_replicate=2", "dist.dp_shard=2", "dist.ep=2")
     assert_same_training(run_dir, single, tmp_path)
@@ -167,12 +169,14 @@ def test_hsdp_with_expert_parallelism_on_four_ranks_trains_as_one_process(workdi
     assert summary(run_dir)["param_bytes_per_rank"]["experts"] * 2 == summary(single)["param_bytes_per_rank"]["experts"]
 
 
+@pytest.mark.slow
 def test_hsdp_on_four_ranks_trains_as_one_process(workdir, single, tmp_path):
     run_dir = train(workdir, "hsdp", 4, 2, "dist.dp_replicate=2", "dist.dp_shard=2")
     assert_same_training(run_dir, single, tmp_path)
     assert summary(run_dir)["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "ep": 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, ranks, batch_size, layout", [
     ("one_process", 1, 8, []),
     ("four_ranks_ep", 4, 2, ["dist.dp_shard=2", "dist.ep=2"]),
@@ -190,6 +194,7 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_same_curve(
     assert list(resumed.values()) == pytest.approx(list(uninterrupted.values()), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_under_expert_parallelism_restarts_and_ends_bit_identical(workdir, expert_parallel):
     run_dir = train(
         workdir, "ep2_killed", 2, 4, "dist.dp_shard=2", "dist.ep=2", "sample.max_new_tokens=16",

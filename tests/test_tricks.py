@@ -325,6 +325,7 @@ def two_ranks(*args, cwd):
     return torchrun("--nproc_per_node=2", "-m", "ciuic_train", *args, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_gradient_neutral_tricks_under_ddp_end_bit_identical_to_the_baseline(tmp_path, text_corpus):
     """delayed_sync (a comm hook that sleeps), async_smoothed_loss (straight-through) and
     time_folded_accum with equal weights must leave every gradient, hence the weights, unchanged."""
@@ -348,6 +349,7 @@ def test_gradient_neutral_tricks_under_ddp_end_bit_identical_to_the_baseline(tmp
     assert last["async_smoothed_loss/reductions"] == 6 and last["loss"] != last["async_smoothed_loss/raw_loss"]
 
 
+@pytest.mark.slow
 def test_tricks_that_change_training_combine_under_ddp(tmp_path, text_corpus):
     run_dir = tmp_path / "run"
     result = two_ranks(
@@ -364,6 +366,7 @@ def test_tricks_that_change_training_combine_under_ddp(tmp_path, text_corpus):
     assert records[-1]["warm_restart/restarts_hit"] == 3
 
 
+@pytest.mark.slow
 def test_each_trick_alone_on_two_processes_through_a_sweep(tmp_path, text_corpus):
     sweep_dir = tmp_path / "sweep"
     result = run_cli(
