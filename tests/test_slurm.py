@@ -164,6 +164,7 @@ def test_rendezvous_port_follows_the_job(monkeypatch):
     assert len(ports) == 3 and all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
 
 
+@pytest.mark.slow
 def test_local_launcher_trains_two_ranks_in_one_folder(tmp_path):
     """hydra/launcher=local: the Slurm launcher's path (one task per rank) without Slurm."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
