@@ -197,3 +197,40 @@ def test_ddp_takes_its_bucket_size_from_the_config(tmp_path):
         assert replica.bucket_bytes_cap == 512 * 1024
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_bf16_keeps_the_rope_tables_fp32(tmp_path):
+    """The CUDA bf16 policy, applied on CPU to a 1-rank gloo group: the blocks receive the
+    RoPE tables as they are (casting them to bf16 made `apply_rope` fail), train under
+    autocast, and reduce fp32 gradients."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ciuic_train.distributed.data_parallel import fsdp_precision
+    from ciuic_train.model import ModelConfig, Transformer
+
+    policy = fsdp_precision(bf16=True, device=torch.device("cuda"))  # a policy object: no CUDA needed
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert fsdp_precision(bf16=True, device=torch.device("cpu")).param_dtype is None
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig())
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        seen = []  # registered after FSDP's own pre-forward hook: sees what the block's forward gets
+        model.layers[0].register_forward_pre_hook(lambda module, args: seen.append([a.dtype for a in args]))
+        idx = torch.randint(0, model.config.vocab_size, (2, 16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)
+        loss.backward()
+        assert seen == [[torch.bfloat16, torch.float32, torch.float32]]  # x from the bf16 embedding; cos, sin fp32
+        assert torch.isfinite(loss)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(g.dtype == torch.float32 and torch.isfinite(g.full_tensor()).all() for g in grads)
+    finally:
+        dist.destroy_process_group()

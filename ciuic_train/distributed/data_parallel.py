@@ -57,18 +57,31 @@ def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool) -> None:
     `ExpertDispatch`). A divide factor of the world size set on the blocks would say the
     same, but torch 2.13 applies it twice where the expert group has one rank (gloo).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if bf16 and mesh.device.type == "cuda"
-        else MixedPrecisionPolicy()
-    )
+    policy = fsdp_precision(bf16, mesh.device)
     dense = mesh.dense()
     placement = _expert_placement(model, mesh) if mesh.shape.ep > 1 else None
     for unit in [*model.layers, *model.mtp]:  # an MTP depth is gathered as a whole
         fully_shard(unit, mesh=dense, mp_policy=policy, shard_placement_fn=placement)
     fully_shard(model, mesh=dense, mp_policy=policy)
+
+
+def fsdp_precision(bf16: bool, device: torch.device):
+    """FSDP2's mixed precision: on CUDA with `precision=bf16`, parameters gathered (and
+    computed) in bf16, gradients reduced in fp32; elsewhere FSDP leaves dtypes alone.
+
+    The blocks' inputs are not cast (`cast_forward_inputs=False`): a block takes the RoPE
+    tables beside the activations, and those must stay fp32 (`apply_rope` builds complex
+    numbers from them, which bf16 cannot be, and bf16 angles drift at long positions). The
+    activations need no cast either: the trainer runs bf16 under autocast, which casts
+    each matmul's inputs.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if bf16 and device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return MixedPrecisionPolicy()
 
 
 def _expert_placement(model: nn.Module, mesh: Mesh):
