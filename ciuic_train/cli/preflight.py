@@ -106,29 +106,28 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
     if not config_only:
         from ciuic_train.data.sources import find_sources  # fails fast on a missing corpus, before any folder exists
 
+        from ciuic_train.checkpoint.resume import resolve_resume
+
         find_sources(config.data)
-        _check_resume(config, Path(run_dir))
-        _check_init_from(config, Path(run_dir))
+        resumes_from = resolve_resume(config.resume, Path(run_dir))
+        if resumes_from is not None:
+            _check_resume(config, resumes_from)
+        elif config.init_from:  # a run that will resume its own checkpoint does not read init_from
+            _check_init_from(config)
     return CheckedJob(config, run_dir, sweep_dir)
 
 
-def _check_resume(config: Config, run_dir: Path) -> None:
+def _check_resume(config: Config, checkpoint: Path) -> None:
     """Refuse a checkpoint this run cannot continue before Hydra touches its folder."""
-    from ciuic_train.checkpoint.resume import check_resumable, read_meta, resolve_resume, run_fingerprint
+    from ciuic_train.checkpoint.resume import check_resumable, read_meta, run_fingerprint
 
-    path = resolve_resume(config.resume, run_dir)
-    if path is None:
-        return
     world_size, _ = expected_world(config.dist)
     expected = run_fingerprint(config.model, list(config.trick), world_size)
-    check_resumable(read_meta(path), expected, config.ckpt.allow_trick_change)
+    check_resumable(read_meta(checkpoint), expected, config.ckpt.allow_trick_change)
 
 
-def _check_init_from(config: Config, run_dir: Path) -> None:
-    """Check init_from's tensor names and shapes before Hydra touches the run folder; a run
-    that will resume its own checkpoint does not read it."""
+def _check_init_from(config: Config) -> None:
+    """Check init_from's tensor names and shapes before Hydra touches the run folder."""
     from ciuic_train.checkpoint.hf_weights import check_init_from
-    from ciuic_train.checkpoint.resume import resolve_resume
 
-    if config.init_from and resolve_resume(config.resume, run_dir) is None:
-        check_init_from(config.model, Path(config.init_from).expanduser())
+    check_init_from(config.model, Path(config.init_from).expanduser())
