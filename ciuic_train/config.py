@@ -147,7 +147,10 @@ class TrainConfig:
     lr: float = 2e-3
     warmup_steps: int = 30
     eval_every: int = 50
-    eval_batches: int = 8
+    # The validation set: this many windows, evenly spread over the validation split and
+    # the same for every layout, batch size and resume (ranks split them, and evaluate in
+    # batches of train.batch_size), so val_loss compares across layouts as the loss does.
+    eval_windows: int = 64
     log_every: int = 10
     # Max global grad norm; 0 disables clipping.
     grad_clip: float = 1.0
@@ -168,6 +171,10 @@ class TrainConfig:
     # as a warning and counted (`loss_spikes`), not acted on; 0 turns this off.
     spike_factor: float = 2.0
     spike_window: int = 100
+    # Before anything is built, refuse a run whose weights, gradients and AdamW state (as
+    # --plan computes them) exceed what a rank here can use, and warn when the estimated
+    # total does (ciuic_train/tools/memory_check.py); false skips the check.
+    check_memory: bool = True
 
 
 @dataclass
@@ -212,12 +219,16 @@ class CheckpointConfig:
 class FaultConfig:
     """Fault injection for testing recovery: on the first attempt only, rank `kill_rank`
     SIGKILLs itself right after optimizer step `at_step`; rank `nan_rank`'s loss is NaN
-    in optimizer step `nan_at_step` (every attempt), as a diverging rank's would be."""
+    in optimizer step `nan_at_step` (every attempt), as a diverging rank's would be;
+    rank `oom_rank` caps its address space at what it maps before step `oom_at_step`
+    (every attempt), so that step's first allocation needing more fails in the allocator."""
 
     kill_rank: int = -1
     at_step: int = 0
     nan_rank: int = -1
     nan_at_step: int = 0
+    oom_rank: int = -1
+    oom_at_step: int = 0
 
 
 @dataclass
@@ -308,7 +319,7 @@ def _validate_tokenizer(data: DataConfig) -> None:
 def validate(config: Config) -> None:
     """Cross-field checks that a schema cannot express."""
     train = config.train
-    for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "log_every"):
+    for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_windows", "log_every"):
         if getattr(train, key) < 1:
             raise UserError(f"train.{key}={getattr(train, key)} must be at least 1")
     if train.warmup_steps < 0:

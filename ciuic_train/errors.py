@@ -20,3 +20,9 @@ class RunFailed(Exception):
     Raised on every rank together (the ranks agreed first), after anything it would have
     lost is safe; the process exits with RUN_FAILED_STATUS.
     """
+
+
+class RankFailed(RunFailed):
+    """One rank cannot go on (it ran out of memory) and says why itself, whatever its
+    rank: raised on that rank alone, without agreeing first (the others cannot know),
+    which the other ranks then meet as a lost peer."""

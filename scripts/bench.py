@@ -86,7 +86,7 @@ def compose_config(args: argparse.Namespace) -> Config:
         f"train.batch_size={args.batch_size}",
         f"train.seq_len={args.seq_len}",
         f"train.eval_every={args.steps + 1}",
-        "train.eval_batches=1",
+        f"train.eval_windows={args.batch_size}",
         "train.warmup_steps=2",
         f"precision={args.precision}",
         f"device={args.device}",

@@ -281,7 +281,7 @@ def cli_run(case: dict, args: argparse.Namespace, work: Path, tag: str) -> dict[
         "progress=plain",
         "sample.max_new_tokens=0",
         "train.eval_every=100000",
-        "train.eval_batches=1",
+        "train.eval_windows=1",
     ]  # fmt: skip
     if case["nproc"] > 1:
         cmd.append(f"dist.nproc_per_node={case['nproc']}")

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import run_cli, torchrun
 
-TINY = ["model=tiny", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain"]
+TINY = ["model=tiny", "train.seq_len=64", "train.eval_windows=16", "sample.max_new_tokens=0", "progress=plain"]
 
 
 def free_port() -> int:

@@ -283,7 +283,7 @@ def cuda_trainer(run_dir: Path, text_corpus: Path, *overrides: str) -> Trainer:
     run_dir.mkdir(parents=True, exist_ok=True)  # the CLI's Hydra makes it; the trainer expects it
     config = compose_config(
         "model=tiny", "data=text", f"data.path={text_corpus}", f"data.cache_dir={run_dir.parent / 'cache'}",
-        "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "train.warmup_steps=1",
+        "train.seq_len=64", "train.batch_size=4", "train.eval_windows=8", "train.warmup_steps=1",
         "device=cuda", "precision=bf16", "progress=plain", *overrides,
     )
     return Trainer(config, run_dir)

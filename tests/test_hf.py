@@ -26,6 +26,7 @@ from ciuic_train.errors import UserError
 from ciuic_train.checkpoint.export import parse_size, write_hf_folder
 from ciuic_train.checkpoint.hf_config import config_json, model_fields
 from ciuic_train.checkpoint.hf_weights import INDEX_FILE, check_init_from, hf_name, load_hf_weights
+from ciuic_train.checkpoint.safetensors_rows import TensorFile
 from ciuic_train.model import Transformer
 from ciuic_train.model.config import ModelConfig
 from ciuic_train.train.trainer import Trainer
@@ -53,7 +54,7 @@ def corpus(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("hf")
     text = write_text_corpus(root / "corpus")
     return ["model=tiny", "data=text", f"data.path={text}", f"data.cache_dir={root / 'cache'}",
-            f"train.seq_len={SEQ}", f"train.batch_size={BATCH}", "train.eval_batches=1", "train.eval_every=100",
+            f"train.seq_len={SEQ}", f"train.batch_size={BATCH}", f"train.eval_windows={BATCH}", "train.eval_every=100",
             "ckpt.every=0", "progress=plain"]
 
 
@@ -289,3 +290,29 @@ def test_init_from_under_two_rank_fsdp_gives_the_same_first_loss(plain, tmp_path
         with torch.no_grad():
             losses.append(F.cross_entropy(twin(inputs).logits.flatten(0, 1), targets.flatten()).item())
     assert logged["step"] == 1 and logged["loss"] == pytest.approx(sum(losses) / 2, abs=1e-5)
+
+
+# --- Reading checkpoint files by rows ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_rows_read_from_a_file_equal_safetensors_own_reading(tmp_path, dtype):
+    from safetensors import safe_open
+
+    tensors = {"a": (torch.randn(7, 3, 5) * 100).to(dtype), "b": torch.arange(11).to(dtype), "c": torch.ones(2, 4).to(dtype)}
+    save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
+    with TensorFile(tmp_path / "x.safetensors") as ours, safe_open(tmp_path / "x.safetensors", framework="pt") as theirs:
+        assert sorted(ours.names()) == sorted(theirs.keys())
+        for name in tensors:
+            assert ours.shape(name) == list(theirs.get_slice(name).get_shape())
+            assert torch.equal(ours.read(name), theirs.get_tensor(name))
+        for start, stop in ((0, 7), (2, 5), (6, 7), (3, 3)):
+            assert torch.equal(ours.read_rows("a", start, stop), theirs.get_slice("a")[start:stop])
+
+
+def test_a_file_that_is_not_safetensors_is_one_line(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(UserError, match=r"init_from=.*hf: model.safetensors is not a safetensors file"):
+        check_init_from(ModelConfig(), folder)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 
-TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0",
+TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_windows=8", "sample.max_new_tokens=0",
         "progress=plain"]
 SEED = int(os.environ.get("KILL_ANYWHERE_SEED", 4))
 STEPS = 40

@@ -21,7 +21,7 @@ from conftest import torchrun, write_text_corpus
 pytestmark = pytest.mark.netns
 
 CLUSTER = Path(__file__).resolve().parents[1] / "scripts" / "cluster" / "netns_cluster.sh"
-TINY = ["model=tiny", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain"]
+TINY = ["model=tiny", "train.seq_len=64", "train.eval_windows=16", "sample.max_new_tokens=0", "progress=plain"]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from ciuic_train.model import Transformer, count_mtp_parameters, count_parameter
 from ciuic_train.tools.plan import GIB, plan_figures
 from conftest import run_cli, torchrun, write_text_corpus
 
-TINY = ["model=tiny", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain", "train.max_steps=2"]
+TINY = ["model=tiny", "train.seq_len=64", "train.eval_windows=16", "sample.max_new_tokens=0", "progress=plain", "train.max_steps=2"]
 V3_ON_2048 = [
     "model=deepseek_v3", "dist.nnodes=256", "dist.nproc_per_node=8", "train.batch_size=1", "train.seq_len=4096",
     "precision=bf16", "device=cuda",
@@ -134,8 +134,10 @@ def test_deepseek_v3_on_256_nodes_with_ep_64_by_hand():
     experts = n_moe * (256 // 64 // 4) * expert_params(m)
     assert mem["params"]["experts"] == 4 * experts
     assert mem["grads"] == mem["params"]
-    assert mem["optimizer"] == {key: 2 * value for key, value in mem["params"].items()}
     model = _meta(config)
+    # Two fp32 moments per element, and AdamW's fp32 step count per tensor (w13 and w2 per MoE layer).
+    tensors = {"experts": 2 * n_moe, "other": len(list(model.parameters())) - 2 * n_moe}
+    assert mem["optimizer"] == {key: 2 * value + 4 * tensors[key] for key, value in mem["params"].items()}
     assert count_parameters(model)[0] + count_mtp_parameters(model)[0] == sum(p.numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
     dense = total - n_moe * m.n_routed_experts * expert_params(m)

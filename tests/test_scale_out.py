@@ -21,7 +21,7 @@ from ciuic_train.distributed.mesh import MeshShape, resolve_mesh
 STEPS = 20
 # With one multi-token-prediction depth: a sharded unit of its own, with its own MoE layer.
 COMMON = [
-    "model=tiny", "model.n_mtp_layers=1", "train.seq_len=64", "train.eval_batches=2", "sample.max_new_tokens=0", "progress=plain",
+    "model=tiny", "model.n_mtp_layers=1", "train.seq_len=64", "train.eval_windows=16", "sample.max_new_tokens=0", "progress=plain",
     f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=10", "ckpt.every=10",
 ]
 
@@ -117,6 +117,10 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def val_losses(lines: list[dict]) -> dict[int, float]:
+    return {m["step"]: m["val_loss"] for m in lines if "val_loss" in m}
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -142,6 +146,8 @@ def assert_same_training(run_dir: Path, single: Path, tmp: Path) -> None:
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in reference], rel=1e-4)
     assert [m["mtp_loss"] for m in ours] == pytest.approx([m["mtp_loss"] for m in reference], rel=1e-4)
+    # The same validation windows for every layout (train.eval_windows), whatever the batch size.
+    assert val_losses(ours) == pytest.approx(val_losses(reference), rel=1e-5) and len(val_losses(ours)) == 2
     # The global per-expert token counts drive the balancing bias and the imbalance figure.
     assert [m["moe_imbalance"] for m in ours] == [m["moe_imbalance"] for m in reference]
     weights, expected = final_weights(run_dir, tmp), final_weights(single, tmp)
@@ -192,6 +198,9 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_same_curve(
     uninterrupted = {m["step"]: m["loss"] for m in metrics(expert_parallel) if m["step"] > 10}
     assert resumed.keys() == uninterrupted.keys()
     assert list(resumed.values()) == pytest.approx(list(uninterrupted.values()), rel=1e-5)
+    assert val_losses(metrics(run_dir)) == pytest.approx(
+        {step: v for step, v in val_losses(metrics(expert_parallel)).items() if step > 10}, rel=1e-5
+    )
 
 
 @pytest.mark.slow

@@ -247,7 +247,7 @@ def test_a_bpe_run_samples_through_it_and_export_carries_it(bpe, corpus, tmp_pat
     (job,) = check_request([
         "model=tiny", "data=text", f"data.path={corpus}", f"data.cache_dir={cfg.cache_dir}", "data.tokenizer=bpe",
         f"data.vocab_size={BPE_SIZE}", "model.score_func=sigmoid", "train.max_steps=2", "train.seq_len=32",
-        "train.batch_size=2", "train.eval_batches=1", "sample.max_new_tokens=12", "sample.prompt=def forward",
+        "train.batch_size=2", "train.eval_windows=2", "sample.max_new_tokens=12", "sample.prompt=def forward",
     ])
     assert job.config.model.vocab_size == BPE_SIZE
     run.mkdir()  # as Hydra makes it

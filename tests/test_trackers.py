@@ -20,7 +20,7 @@ from ciuic_train.cli.preflight import check_request
 from ciuic_train.errors import UserError
 from conftest import compose_config, write_text_corpus
 
-TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0",
+TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_windows=8", "sample.max_new_tokens=0",
         "progress=plain"]
 
 

@@ -26,7 +26,7 @@ CTX = TrickContext(seed=0, rank=0, world_size=1, max_steps=10, grad_accum=2)
 def tiny_trainer(tmp_path, text_corpus, *overrides):
     config = compose_config(
         "model=tiny", "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
-        "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", *overrides,
+        "train.seq_len=64", "train.batch_size=4", "train.eval_windows=8", *overrides,
     )
     return Trainer(config, tmp_path)
 

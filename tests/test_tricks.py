@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from ciuic_train.data.sampler import WindowSampler
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
+from ciuic_train.model.init import ParameterInit
 from ciuic_train.train.optim import LrSchedule
 from ciuic_train.distributed.params import param_checksum
 from ciuic_train.train.trainer import Trainer
@@ -30,7 +31,7 @@ from conftest import compose_config, run_cli, torchrun
 
 REPO = Path(__file__).parents[1]
 ALL_TRICKS = sorted(registry())
-TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2", "sample.max_new_tokens=0"]
+TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_windows=8", "sample.max_new_tokens=0"]
 
 
 def ctx(rank=0, world=1, max_steps=100, grad_accum=1, seed=0):
@@ -183,7 +184,7 @@ def test_chaotic_sampler_resumes_mid_epoch():
 def test_constellation_init_keeps_the_global_rng_and_gives_same_shape_layers_different_weights():
     model = Transformer(compose_config("model=tiny").model)
     rng_before = torch.get_rng_state()
-    ConstellationInit(ctx()).init_weights(model)
+    ConstellationInit(ctx()).init_weights(model, ParameterInit(0))
     assert torch.equal(torch.get_rng_state(), rng_before)
     a, b = model.layers[0].attn.wkv_b.weight, model.layers[1].attn.wkv_b.weight
     assert a.shape == b.shape and not torch.equal(a, b)
@@ -194,16 +195,16 @@ def test_constellation_init_is_the_same_for_every_rank_and_world_size():
     for rank, world in ((0, 1), (1, 2), (3, 8)):
         torch.manual_seed(rank)  # a different global RNG must not matter either
         model = Transformer(compose_config("model=tiny").model)
-        ConstellationInit(ctx(rank, world)).init_weights(model)
+        ConstellationInit(ctx(rank, world)).init_weights(model, ParameterInit(0))
         weights.append(model.lm_head.weight.clone())
     assert torch.equal(weights[0], weights[1]) and torch.equal(weights[0], weights[2])
 
 
 def test_constellation_init_modulates_xavier_columns_by_one_percent():
     model = Transformer(compose_config("model=tiny").model)
-    ConstellationInit(ctx()).init_weights(model)
+    ConstellationInit(ctx()).init_weights(model, ParameterInit(0))
     plain = Transformer(compose_config("model=tiny").model)
-    ConstellationInit(ctx(), ConstellationInit.Params(modulation=0.0)).init_weights(plain)
+    ConstellationInit(ctx(), ConstellationInit.Params(modulation=0.0)).init_weights(plain, ParameterInit(0))
     ratio = model.lm_head.weight / plain.lm_head.weight
     expected = 1 + 0.01 * torch.sin(torch.linspace(0, 2 * math.pi, ratio.shape[1]))
     torch.testing.assert_close(ratio, expected.expand_as(ratio), rtol=1e-5, atol=1e-6)
@@ -410,7 +411,7 @@ def test_a_comm_hook_trick_is_allowed_with_replicas_only():
 def test_glob_sweeps_every_trick_alone_in_one_process(tmp_path):
     sweep_dir = tmp_path / "sweep"
     result = run_cli("-m", "+trick=glob(*)", "model=tiny", "train.max_steps=5", "sample.max_new_tokens=0",
-                     "train.eval_batches=1", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+                     "train.eval_windows=8", f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/summary.json"))]
     assert sorted(s["tricks"][0] for s in summaries) == ALL_TRICKS and len(summaries) == 7

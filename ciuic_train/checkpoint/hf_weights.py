@@ -18,9 +18,10 @@ torch and safetensors are imported where tensors move, not with the module.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from ciuic_train.checkpoint.hf_config import read_config_json, topk_method
 from ciuic_train.errors import UserError
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from ciuic_train.model import Transformer
+    from ciuic_train.model.init import Rows
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -112,8 +114,6 @@ def is_mtp_copy(name: str) -> bool:
 
 def tensor_files(folder: Path) -> dict[str, Path]:
     """Each tensor's file: from model.safetensors.index.json when there is one, else model.safetensors."""
-    from safetensors import safe_open
-
     index = folder / INDEX_FILE
     if index.is_file():
         try:
@@ -124,22 +124,30 @@ def tensor_files(folder: Path) -> dict[str, Path]:
     single = folder / WEIGHTS_FILE
     if not single.is_file():
         raise UserError(f"init_from={folder}: neither {WEIGHTS_FILE} nor {INDEX_FILE} is there")
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    with _readable(single) as f:
+        return dict.fromkeys(f.names(), single)
+
+
+def _readable(path: Path):
+    """The open file, or a UserError saying why it cannot be read."""
+    from ciuic_train.checkpoint.safetensors_rows import TensorFile
+
+    try:
+        return TensorFile(path)
+    except (OSError, ValueError) as err:
+        raise UserError(f"init_from={path.parent}: {err}") from None
 
 
 def _shapes(files: dict[str, Path]) -> dict[str, list[int]]:
     """Every tensor's shape, from the files' headers (no tensor is read)."""
-    from safetensors import safe_open
-
     shapes: dict[str, list[int]] = {}
     for path in sorted(set(files.values())):
         if not path.is_file():
             raise UserError(f"init_from={path.parent}: {path.name}, listed in {INDEX_FILE}, is missing")
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+        with _readable(path) as f:
+            for name in f.names():
                 if files.get(name) == path:
-                    shapes[name] = list(f.get_slice(name).get_shape())
+                    shapes[name] = f.shape(name)
     return shapes
 
 
@@ -218,36 +226,76 @@ def check_init_from(model_config: ModelConfig, folder: Path) -> None:
     plan_load(model, folder)
 
 
-def load_hf_weights(model: Transformer, folder: Path) -> None:
-    """Copy a Hugging Face DeepSeek-V3/V2 folder's weights into `model` (built, not yet
-    wrapped for parallelism), after checking every name and shape: on a mismatch nothing is copied."""
-    import torch
-    from safetensors import safe_open
+def load_hf_weights(model: Transformer, folder: Path, locate: Callable[[torch.Tensor], Rows] | None = None) -> None:
+    """Copy a Hugging Face DeepSeek-V3/V2 folder's weights into `model`, after checking every
+    name and shape: on a mismatch nothing is copied.
 
+    Each tensor is read by rows: only the rows `locate` says this rank holds (all of them
+    without `locate`; under FSDP2 and expert parallelism its shard,
+    `distributed/materialize.local_rows`), `READ_ELEMENTS` values at a time, converted to
+    the model's dtype as they are copied; files are read, not mapped
+    (`safetensors_rows.py`), one at a time, and experts stored apart one at a time. So the
+    memory a load needs beyond the model's own is one slice, whatever the model's size.
+    """
+    import torch
+
+    from ciuic_train.model.init import whole_rows
+
+    locate = locate or whole_rows
     files, sources = plan_load(model, folder)
-    state = model.state_dict()
-    by_file: dict[Path, list[str]] = {}
-    for names in sources.values():
-        for name in names:
-            by_file.setdefault(files[name], []).append(name)
-    read: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for path, names in by_file.items():
-            with safe_open(path, framework="pt") as f:
-                for name in names:
-                    read[name] = f.get_tensor(name)
-            for ours, names_ in sources.items():  # copy each entry as soon as its tensors are read
-                if ours in state and all(n in read for n in names_):
-                    state.pop(ours).copy_(_assemble(ours, [read.pop(n) for n in names_]))
+    targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    with _OpenFiles() as opened, torch.no_grad():
+        # File by file: a published checkpoint has many, together the size of the model.
+        for ours, names in sorted(sources.items(), key=lambda entry: str(files[entry[1][0]])):
+            handles = opened.only({files[name] for name in names})
+            rows = locate(targets[ours])
+            if len(names) == 1:
+                _copy_rows(handles[files[names[0]]], names[0], rows)
+            else:
+                _copy_experts(ours, [(handles[files[name]], name) for name in names], rows)
 
 
-def _assemble(ours: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One state_dict entry from its tensors: itself, or the experts' weights stacked."""
+class _OpenFiles:
+    """The checkpoint files open now: `only(paths)` opens those and closes the others."""
+
+    def __init__(self):
+        self.handles: dict[Path, Any] = {}
+
+    def only(self, paths: set[Path]) -> dict[Path, Any]:
+        from ciuic_train.checkpoint.safetensors_rows import TensorFile
+
+        for path in [p for p in self.handles if p not in paths]:
+            self.handles.pop(path).close()
+        for path in paths - self.handles.keys():
+            self.handles[path] = TensorFile(path)
+        return self.handles
+
+    def __enter__(self) -> _OpenFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.only(set())
+
+
+READ_ELEMENTS = 1 << 24  # 64 MiB of fp32 per read: big reads, a bounded extra footprint
+
+
+def _copy_rows(source, name: str, rows: Rows) -> None:
+    """rows.local <- rows [start, start + n) of tensor `name` of a checkpoint file, a bounded number at a time."""
+    local = rows.local
+    per_read = max(1, READ_ELEMENTS // max(1, math.prod(local.shape[1:])))
+    for first in range(0, local.shape[0], per_read):
+        last = min(first + per_read, local.shape[0])
+        local[first:last].copy_(source.read_rows(name, rows.start + first, rows.start + last))
+
+
+def _copy_experts(ours: str, tensors: list[tuple[Any, str]], rows: Rows) -> None:
+    """rows.local <- the experts [start, start + n) of a checkpoint that stores each apart:
+    w13 from each expert's gate and up weights (in that order), w2 from its down weight."""
     import torch
 
-    if len(tensors) == 1:
-        return tensors[0]
-    if ours.endswith("w13"):  # gate_0, up_0, gate_1, up_1, ...
-        return torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
-    return torch.stack(tensors)
-
+    per_expert = 2 if ours.endswith("w13") else 1
+    for i in range(rows.local.shape[0]):
+        expert = rows.start + i
+        parts = [handle.read(name) for handle, name in tensors[expert * per_expert : (expert + 1) * per_expert]]
+        rows.local[i].copy_(parts[0] if per_expert == 1 else torch.cat(parts))

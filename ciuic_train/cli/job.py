@@ -27,7 +27,7 @@ from ciuic_train.cli.compose import CONFIG_MODULE, CONFIG_NAME, job_config
 from ciuic_train.cli.flags import PROG
 from ciuic_train.cli.messages import fail, is_rank_0, print_error
 from ciuic_train.config import Config
-from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError
+from ciuic_train.errors import RUN_FAILED_STATUS, RankFailed, RunFailed, UserError
 from ciuic_train.launch import paths as launch, runlock
 from ciuic_train.launch.slurm import end_stopped_task, in_slurm_task
 
@@ -54,7 +54,7 @@ def hydra_job(cfg: DictConfig) -> float:
     except launch.WorkersFailed as err:
         fail(str(err), status=1)
     except RunFailed as err:
-        _run_failed(str(err))
+        _run_failed(str(err), speaks=is_rank_0() or isinstance(err, RankFailed))
     finally:
         runlock.release(run_dir)
     if summary["stopped_by"]:
@@ -109,11 +109,13 @@ class SweepJobFailed(CompactHydraException):
     printing this one line (a compact exception has no traceback)."""
 
 
-def _run_failed(message: str) -> None:
-    """A run that stopped itself (diverged, or cannot save): one line (empty: a worker
-    already printed it), also in train.log, and RUN_FAILED_STATUS. In a sweep the other
-    jobs still run: one diverging learning rate must not end an lr sweep."""
-    if message and is_rank_0():
+def _run_failed(message: str, speaks: bool) -> None:
+    """A run that stopped itself (diverged, cannot save, out of memory): one line (empty:
+    a worker already printed it), also in train.log, and RUN_FAILED_STATUS. The rank that
+    `speaks` says it: rank 0 for what the ranks agreed on, the failing rank for its own
+    failure (`RankFailed`). In a sweep the other jobs still run: one diverging learning
+    rate must not end an lr sweep."""
+    if message and speaks:
         _write_to_log_files(message)
     if HydraConfig.get().mode is RunMode.MULTIRUN:
         if message:
@@ -122,8 +124,8 @@ def _run_failed(message: str) -> None:
             f"{PROG}: error: sweep job #{HydraConfig.get().job.num} failed (see above and its train.log); "
             "the other jobs ran"
         )
-    if message:
-        fail(message, RUN_FAILED_STATUS)
+    if message and speaks:
+        print_error(message)
     sys.exit(RUN_FAILED_STATUS)
 
 

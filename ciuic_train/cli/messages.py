@@ -37,6 +37,11 @@ def print_error(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
+def print_warning(message: str) -> None:
+    """A warning found before Hydra runs (no log exists yet), in the shape of the error lines."""
+    print(f"{PROG}: warning: {message}", file=sys.stderr)
+
+
 def is_rank_0() -> bool:
     return launcher_rank() == 0
 

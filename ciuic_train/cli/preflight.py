@@ -4,22 +4,31 @@ Hydra reports configuration mistakes as multi-line messages (or tracebacks) and 
 after it has created a run folder. So before Hydra runs, `check_request` composes each
 job (one, or each point of a `-m` sweep) and checks what can be checked without
 starting it: the schema, the launcher, the mesh the world size resolves to, the corpus,
-the checkpoint a resume continues and the weights `init_from` loads. The first mistake
-is a `UserError`, which `cli.main` prints as one line before anything is written.
+the checkpoint a resume continues and the weights `init_from` loads, and whether the
+run fits the memory a rank has here (`tools/memory_check.py`). The first mistake is a
+`UserError`, which `cli.main` prints as one line before anything is written.
+
+The memory check runs in the process that is first to run a job here: the one a user
+started (for all its `dist.nproc_per_node` workers: the node's memory is divided
+between them), each torchrun or srun worker (for its own share), but not the workers
+our elastic launcher starts, which it checked already (`MEMORY_CHECKED_BY`). Where a
+Slurm launcher submits the jobs, this host is not where they run: nothing is checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import shutil
+import sys
 from pathlib import Path
 
 from hydra.core.override_parser.types import Override
 
 from ciuic_train.cli.compose import compose, config_module, job_config, without_hydra
-from ciuic_train.cli.flags import PROG, composes_our_config, parse_hydra_command_line
-from ciuic_train.cli.messages import as_user_errors
+from ciuic_train.cli.flags import PLAN_FLAG, PROG, composes_our_config, parse_hydra_command_line
+from ciuic_train.cli.messages import as_user_errors, is_rank_0, print_warning
 from ciuic_train.cli.sweeps import job_overrides, parse_overrides
 from ciuic_train.config import Config
 from ciuic_train.distributed.mesh import expected_mesh, expected_world, refuse_comm_hook
@@ -29,6 +38,8 @@ from ciuic_train.tricks import seam_owner
 
 # Our launchers (conf/hydra/launcher/) and what each needs beyond Hydra itself.
 SUBMITIT_LAUNCHERS = {"slurm": "sbatch", "local": None}
+# Set by a process that checked the memory of the workers it starts: its pid.
+MEMORY_CHECKED_BY = "CIUIC_TRAIN_MEMORY_CHECKED_BY"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +50,19 @@ class CheckedJob:
 
 
 def check_request(
-    argv: list[str], path: launch.LaunchPath | None = None, config_only: bool = False
+    argv: list[str], path: launch.LaunchPath | None = None, config_only: bool = False,
+    check_memory: bool | None = None,
 ) -> list[CheckedJob]:
     """Compose and check every job the command line asks for, before anything runs.
 
     `path` is how this process was started (default: as the environment says);
     `config_only` is for commands that print the config: they skip the corpus and
-    checkpoint checks, which need torch.
+    checkpoint checks, which need torch. `check_memory`: whether a job that would not
+    fit here is refused; by default unless the command asks for --plan, which reports
+    the figures instead.
     """
+    if check_memory is None:
+        check_memory = PLAN_FLAG not in sys.argv[1:]
     args, unknown = parse_hydra_command_line(argv)
     if unknown:
         raise UserError(f"unknown option {unknown[0]!r}; see {PROG} --help")
@@ -67,6 +83,9 @@ def check_request(
                 f"sweep distributed jobs with {PROG} -m ... dist.nproc_per_node=N instead"
             )
         checked = [_check_job(job, config_only, check_mesh=launcher is None) for job in jobs]
+    if check_memory and not config_only and launcher is None:
+        for job in checked:
+            _check_memory(job.config, path)
     if launcher and any(job.config.dist.nproc_per_node > 1 for job in checked):
         raise UserError(
             f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
@@ -131,3 +150,30 @@ def _check_init_from(config: Config) -> None:
     from ciuic_train.checkpoint.hf_weights import check_init_from
 
     check_init_from(config.model, Path(config.init_from).expanduser())
+
+
+def _check_memory(config: Config, path: launch.LaunchPath) -> None:
+    """Refuse a job whose exact memory does not fit a rank here; warn when only its
+    estimated total does (rank 0 speaks, as for every mistake)."""
+    from ciuic_train.tools.memory_check import as_launched, check_memory, run_device
+    from ciuic_train.tools.memory_limits import usable_bytes_per_rank
+
+    checked_by_parent = (
+        isinstance(path, launch.ElasticWorker) and os.environ.get(MEMORY_CHECKED_BY) == str(os.getppid())
+    )
+    device = run_device(config)
+    if not config.train.check_memory or checked_by_parent or device is None:
+        return
+    planned = as_launched(config)
+    starts_workers = isinstance(path, launch.ElasticLauncher) and config.dist.nproc_per_node > 1
+    local_rank = None if starts_workers else int(os.environ.get("LOCAL_RANK", 0))
+    room = usable_bytes_per_rank(device, planned.dist.nproc_per_node, local_rank)
+    if room is None:
+        return
+    verdict = check_memory(planned, room)
+    if not verdict.fits:
+        raise UserError(verdict.line)
+    if not verdict.fits_total and is_rank_0():
+        print_warning(verdict.line)
+    if starts_workers:
+        os.environ[MEMORY_CHECKED_BY] = str(os.getpid())

@@ -1,6 +1,6 @@
-"""One step that turns a freshly built model into what the training step calls.
+"""One step that turns a model built on the meta device into what the training step calls.
 
-`parallelize(model, mesh, config)` applies, in this order:
+`parallelize(model, mesh, config, init=...)` applies, in this order:
 
 1. expert parallelism (`dist.ep > 1`): each rank keeps its slice of the routed experts
    and the MoE dispatches tokens to them (ciuic_train/distributed/expert_parallel.py);
@@ -13,7 +13,11 @@
    then the root; HSDP when `dp_replicate > 1`). Under FSDP2 the routed experts are
    sharded over the ranks that hold the same experts, everything else over all shard
    ranks. On CUDA with `precision=bf16`, FSDP2 gathers parameters in bf16 and reduces
-   gradients in fp32.
+   gradients in fp32;
+5. materialization (ciuic_train/distributed/materialize.py): each rank allocates the
+   parameters it holds on the device and `init` fills them, by rows, the same values for
+   every layout. Under DDP this comes before the wrapper, which broadcasts rank 0's
+   weights; under FSDP2 after the sharding, so no rank ever holds the whole model.
 
 The order is the one torchtitan settled on: the wrappers that change what a block
 computes come first, and sharding last, so FSDP sees the blocks it must gather as they
@@ -29,7 +33,7 @@ runs, not where its parameters live.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -38,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from ciuic_train.config import Config, Precision
 from ciuic_train.distributed.data_parallel import replicate_with_ddp, shard_with_fsdp
 from ciuic_train.distributed.expert_parallel import split_experts
+from ciuic_train.distributed.materialize import materialize
 from ciuic_train.distributed.mesh import refuse_comm_hook
 
 if TYPE_CHECKING:
@@ -47,11 +52,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("ciuic_train")
 
 
-def parallelize(model: nn.Module, mesh: Mesh, config: Config, comm_hook: CommHook | None = None) -> nn.Module:
-    """Wrap `model` as the mesh and config ask; returns the module the training step calls.
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    config: Config,
+    comm_hook: CommHook | None = None,
+    init: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Wrap `model` as the mesh and config ask, materialize it, and `init(model)` its values;
+    returns the module the training step calls.
 
     That is DDP's wrapper under `ddp`, else `model` itself (FSDP2 shards it in place).
-    Checkpoints, counts and sampling keep using `model`.
+    Checkpoints, counts and sampling keep using `model`. A model built on a device keeps
+    its memory, and is filled only if `init` is given.
     """
     hook_trick = comm_hook.trick if comm_hook is not None else None
     refuse_comm_hook(hook_trick, mesh.shape, config.train.log_grad_consistency)
@@ -64,11 +77,13 @@ def parallelize(model: nn.Module, mesh: Mesh, config: Config, comm_hook: CommHoo
         for block in model.blocks():
             block.compile()
     if mesh.strategy == "ddp":
+        materialize(model, mesh.device, init)
         return replicate_with_ddp(model, mesh, comm_hook, config.dist.ddp_bucket_mb)
     if comm_hook is not None:  # one process: a sharded mesh refused the hook above
         log.warning(f"trick {hook_trick}: world size 1, no gradient all-reduce to act on")
     if mesh.strategy in ("fsdp", "hsdp"):
         shard_with_fsdp(model, mesh, bf16=config.precision is Precision.bf16)
+    materialize(model, mesh.device, init)
     return model
 
 

@@ -18,9 +18,10 @@ Weight decay rule for the trainer: decay parameters with ndim >= 2 except
 `tok_embeddings.weight`. That excludes norms and keeps matrices, including the stacked
 expert weights and `lm_head.weight`.
 
-Building on meta works: `with torch.device("meta"): model = Transformer(cfg)` allocates
-nothing; after `model.to_empty(device=...)` call `model.init_weights()` to fill in real
-parameters and buffers.
+Built on a device, the model initializes itself from `seed`. Built on meta (`with
+torch.device("meta"): model = Transformer(cfg)`, what the trainer does) it allocates
+nothing; after `model.to_empty(device=...)`, `model.init_weights(ParameterInit(seed,
+locate))` fills in parameters and buffers, each rank only the rows it holds (`init.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ciuic_train.model.attention import causal_attention
 from ciuic_train.model.block import Block
 from ciuic_train.model.common import IGNORE_INDEX, Kernels, grouped_swiglu
 from ciuic_train.model.config import ModelConfig
+from ciuic_train.model.init import ParameterInit
 from ciuic_train.model.kernels import AUTO
 from ciuic_train.model.moe import MoE
 from ciuic_train.model.mtp import MultiTokenPrediction
@@ -63,7 +65,7 @@ class Transformer(nn.Module):
     (`model.n_mtp_layers`, none by default); only training forwards run them.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
         self.config = cfg
         self.kernels = kernels_for(cfg.kernels)
@@ -75,33 +77,40 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
-        # Built without drawing from the global RNG and registered last (init_weights goes in
-        # registration order), so turning MTP on leaves the main model's first weights as they were.
-        with torch.random.fork_rng(devices=[]):
-            self.mtp = nn.ModuleList(MultiTokenPrediction(cfg, self.kernels) for _ in range(cfg.n_mtp_layers))
+        self.mtp = nn.ModuleList(MultiTokenPrediction(cfg, self.kernels) for _ in range(cfg.n_mtp_layers))
         # The mean MTP loss of the last training forward that ran them (`loss_figures`).
         self.mtp_loss: torch.Tensor | None = None
         # Recomputable from the config, so kept out of checkpoints.
         half_rope = cfg.qk_rope_head_dim // 2
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half_rope), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half_rope), persistent=False)
-        self.init_weights()
+        if not self.rope_cos.is_meta:
+            self.init_weights(ParameterInit(seed))
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re)initialise every parameter and buffer from the global torch RNG.
+    def init_weights(self, init: ParameterInit | None = None) -> None:
+        """(Re)initialise every parameter and buffer: matrices and embeddings normal(0,
+        `init_std`), norms 1, the experts' bias and counts 0, the RoPE tables computed.
 
-        Called by __init__; call it again after `to_empty()` on a model built on meta.
+        Each parameter's values come from `init`'s seed and the parameter's name
+        (`model/init.py`), so they do not depend on how the parameters are sharded, on
+        which parameters exist (MTP depths leave the main model's as they were), or on the
+        global RNG. `init` defaults to seed 0 with every tensor whole. Called by __init__
+        unless built on meta; after `to_empty()`, call it with the rows each rank holds.
         """
+        init = init or ParameterInit(0)
         std = self.config.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, MoE):
-                nn.init.normal_(module.w13, mean=0.0, std=std)
-                nn.init.normal_(module.w2, mean=0.0, std=std)
+        done: set[int] = set()  # a tied head is the embedding: drawn once, under its first name
+        for module_name, module in self.named_modules():
+            for leaf, param in module.named_parameters(recurse=False):
+                if id(param) in done:
+                    continue
+                done.add(id(param))
+                if isinstance(module, RMSNorm):
+                    init.constant_(param, 1.0)
+                else:  # Linear and Embedding weights, and the MoE's stacked experts
+                    init.normal_(f"{module_name}.{leaf}", param, std)
+            if isinstance(module, MoE):
                 module.expert_bias.zero_()
                 module.tokens_per_expert.zero_()
         cos, sin = rope_tables(

@@ -6,8 +6,8 @@
   run after the current step, agreed by every rank;
 - `LossWatch`: every step's one agreement between ranks (its loss, whether it is finite,
   a stop signal), the non-finite guard and the loss-spike warning;
-- `inject_fault`, `poison_loss`: a rank that kills itself, or whose loss is NaN, on
-  purpose, to rehearse recovery.
+- `inject_fault`, `poison_loss`, `cap_address_space`: a rank that kills itself, whose
+  loss is NaN, or that runs out of memory, on purpose, to rehearse recovery.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
 import signal
 import statistics
 import threading
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ciuic_train.config import CheckpointConfig, FaultConfig, OnNonFinite, TrainConfig
+from ciuic_train.files import format_bytes
+from ciuic_train.tools.memory_limits import mapped_bytes
 
 log = logging.getLogger("ciuic_train")
 
@@ -240,3 +243,15 @@ def inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
 def poison_loss(fault: FaultConfig, rank: int, step: int, loss):
     """The loss, or NaN in its place on rank `fault.nan_rank` in step `fault.nan_at_step` (1-based)."""
     return loss * float("nan") if rank == fault.nan_rank and step == fault.nan_at_step else loss
+
+
+def cap_address_space(fault: FaultConfig, rank: int, step: int) -> None:
+    """Before step `fault.oom_at_step` (1-based) on rank `fault.oom_rank`, lower this
+    process's address-space limit (RLIMIT_AS, as `ulimit -v` does) to what it maps now:
+    the step's first allocation that needs fresh memory then fails in the allocator, a
+    real out-of-memory. (glibc's malloc may serve a small model's step from memory it
+    holds already; MALLOC_MMAP_THRESHOLD_=131072 makes every larger tensor a fresh map.)"""
+    if rank == fault.oom_rank and step == fault.oom_at_step:
+        mapped = mapped_bytes()
+        log.warning(f"fault injection: rank {rank} caps its address space at {format_bytes(mapped)} before step {step}")
+        resource.setrlimit(resource.RLIMIT_AS, (mapped, resource.getrlimit(resource.RLIMIT_AS)[1]))

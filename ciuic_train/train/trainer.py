@@ -20,8 +20,12 @@ One optimizer step (`Trainer.train_step`):
 The run (`Trainer.fit`): steps until `train.max_steps`; after each, evaluate, log and
 save (<- tricks.should_save) when `Cadence` says so; a stop signal (`StopRequest`)
 saves and ends the run after the current step. A non-finite step never reaches the
-weights, so no checkpoint ever holds them. `tricks.init_weights` runs once, on the
-freshly built model. The seams are defined in ciuic_train/tricks/base.py.
+weights, so no checkpoint ever holds them.
+
+The model is built on the meta device and `parallelize` materializes each rank's shards
+(ciuic_train/distributed/materialize.py); `Trainer._initialize` then fills them, once:
+the model's init, then `tricks.init_weights`, then `init_from`'s weights. The seams are
+defined in ciuic_train/tricks/base.py.
 """
 
 from __future__ import annotations
@@ -49,14 +53,26 @@ from ciuic_train.data.corpus import load_tokens, unigram_entropy
 from ciuic_train.data.sampler import WindowSampler, eval_indices, get_batch, n_windows
 from ciuic_train.data.tokenizer import check_model_vocab, save_tokenizer
 from ciuic_train.distributed.grads import average_gradients_with_consistency, clip_grad_norm_, grad_sync
+from ciuic_train.distributed.materialize import local_rows
 from ciuic_train.distributed.parallelize import parallelize
-from ciuic_train.distributed.params import param_bytes, param_checksum
+from ciuic_train.distributed.params import param_bytes, param_checksum, peak_memory_bytes
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.errors import RunFailed, UserError, first_line
-from ciuic_train.files import write_json_atomic
+from ciuic_train.files import format_bytes, write_json_atomic
 from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters, generate
 from ciuic_train.model.common import IGNORE_INDEX
-from ciuic_train.train.loop import Cadence, LossWatch, StepCheck, StopRequest, Throughput, inject_fault, poison_loss
+from ciuic_train.model.init import ParameterInit
+from ciuic_train.tools.memory_check import OutOfMemoryGuard
+from ciuic_train.train.loop import (
+    Cadence,
+    LossWatch,
+    StepCheck,
+    StopRequest,
+    Throughput,
+    cap_address_space,
+    inject_fault,
+    poison_loss,
+)
 from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.train.optim import LrSchedule, build_optimizer
 from ciuic_train.train.trackers import Trackers
@@ -100,23 +116,25 @@ class Trainer:
             TrickContext(config.seed, rank, world, train.max_steps, train.grad_accum, self.parallel),
         )
 
-        # Every rank builds the same weights from the same seed; DDP also broadcasts rank 0's.
-        self.model = Transformer(config.model).to(self.device)
-        self.tricks.init_weights(self.model)
+        # Built on meta: nothing is allocated until each rank materializes its own shards.
+        with torch.device("meta"):
+            self.model = Transformer(config.model)
         self.resumed_from = resolve_resume(config.resume, run_dir)
-        if config.init_from and self.resumed_from is None:  # a resume restores its own weights
-            load_hf_weights(self.model, Path(config.init_from).expanduser())
-            log.info(f"weights from {config.init_from}")
-        self.wrapped_model = parallelize(self.model, self.parallel.mesh, config, self.tricks.comm_hook())
+        self.memory = OutOfMemoryGuard(config, rank, run_dir)  # an allocator's failure: one line
+        with self.memory.during("building the model"):
+            self.wrapped_model = parallelize(
+                self.model, self.parallel.mesh, config, self.tricks.comm_hook(), init=self._initialize
+            )
         self.optimizer = build_optimizer(self.model, config.optim, train.lr)
         self.lr_schedule = LrSchedule.from_config(config.optim, train.lr, train.warmup_steps, train.max_steps)
         self.sampler = WindowSampler(
             n_windows(self.data.train, train.seq_len), config.seed, rank, world,
             order=self.tricks.order_indices, shuffle=config.data.shuffle,
         )
-        # Each rank evaluates its own slice of the fixed validation windows, in the same
-        # number of batches everywhere (sharded and expert-parallel forwards are collectives).
-        val_windows = eval_indices(self.data.val, train.seq_len, train.eval_batches * train.batch_size)
+        # Each rank evaluates its own slice of the fixed validation windows (the same set for
+        # every layout), in the same number of batches everywhere (sharded and
+        # expert-parallel forwards are collectives).
+        val_windows = eval_indices(self.data.val, train.seq_len, train.eval_windows)
         self.val_windows = val_windows[rank::world]
         self.val_batches = -(-len(val_windows[0::world]) // train.batch_size)
         self.val_filler = val_windows[:1]
@@ -138,6 +156,18 @@ class Trainer:
             self.checkpointer.warn_if_space_is_short(self.model, self.resumed_from)
             # For export, once nothing in the set-up can fail (a failed start leaves no folder).
             save_tokenizer(self.data.tokenizer, run_dir)
+
+    def _initialize(self, model: Transformer) -> None:
+        """The step-0 values of the rows of each parameter this rank holds: the model's init
+        (the same global weights for every layout and world size), a trick's, then
+        `init_from`'s weights, read by shard (a resume restores its own weights)."""
+        init = ParameterInit(self.config.seed, local_rows)
+        model.init_weights(init)
+        self.tricks.init_weights(model, init)
+        if self.config.init_from and self.resumed_from is None:
+            load_hf_weights(model, Path(self.config.init_from).expanduser(), local_rows)
+            log.info(f"weights from {self.config.init_from}; peak memory of this rank so far "
+                     f"{format_bytes(peak_memory_bytes(self.device))}")
 
     def _meta(self) -> dict[str, Any]:
         fingerprint = run_fingerprint(self.config.model, self.tricks.names, self.parallel.world_size)
@@ -167,7 +197,8 @@ class Trainer:
             self.watch.load_state_dict(state["loss_watch"])
         if self.parallel.is_main:
             drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
-        log.info(f"resumed from {path} at step {self.step}")
+        log.info(f"resumed from {path} at step {self.step}; peak memory of this rank so far "
+                 f"{format_bytes(peak_memory_bytes(self.device))}")
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         # The model computes the fp32 cross-entropy itself (see its forward).
@@ -283,12 +314,15 @@ class Trainer:
         throughput = Throughput(self.tokens_per_step)
         losses_since_log: list[float] = []  # mean over ranks of each applied step's loss
         last_val, last_logged_loss, stopped_by = float("nan"), float("nan"), None
+        rank = self.parallel.info.rank
         self.wrapped_model.train()
         with ProgressDisplay(self.config.train.max_steps, self.config.progress.value, enabled=is_main) as progress, \
                 StopRequest() as stop:
             progress.advance(self.step)
             while self.step < self.config.train.max_steps:
-                figures = self.train_step(stop)
+                cap_address_space(self.config.fault, rank, self.step + 1)
+                with self.memory.during(f"step {self.step + 1}"):
+                    figures = self.train_step(stop)
                 throughput.count_step()
                 if figures["applied"]:
                     losses_since_log.append(figures["loss"])
@@ -296,7 +330,7 @@ class Trainer:
 
                 evaluated = self.cadence.evaluates(self.step)
                 if evaluated:
-                    with throughput.paused():
+                    with throughput.paused(), self.memory.during(f"the evaluation after step {self.step}"):
                         last_val = self.evaluate()
                 stopped_by = figures["stop_signal"]
                 saves = self.cadence.saves(self.step, stopping=stopped_by is not None, applied=figures["applied"])
@@ -315,7 +349,7 @@ class Trainer:
                         self.save_checkpoint()
                 if stopped_by:
                     break
-                inject_fault(self.config.fault, self.parallel.info.rank, self.step)
+                inject_fault(self.config.fault, rank, self.step)
         self.tricks.close()
         run = {
             "stopped_by": stopped_by,
@@ -355,12 +389,19 @@ class Trainer:
             f"({torch.get_num_threads()} threads); "
             f"data {self.data.description}: {len(self.data.train):,} train / {len(self.data.val):,} val tokens"
         )
+        stored = sum(param_bytes(self.model).values())
+        peaks = self._peak_memory_per_rank()
+        log.info(f"built and initialized: {format_bytes(stored)} of parameters on rank 0; peak memory per rank "
+                 f"so far {format_bytes(min(peaks))} to {format_bytes(max(peaks))} (rank {peaks.index(max(peaks))})")
+
+    def _peak_memory_per_rank(self) -> list[int]:
+        """Each rank's peak memory so far (`peak_memory_bytes`), gathered: a collective."""
+        return [int(peak) for peak in self.parallel.gather(str(peak_memory_bytes(self.device)))]
 
     def _finish(self, run: dict[str, Any], metrics: MetricsFile) -> dict[str, Any]:
         """Check that the replicas agree, then write the summary of the `run`'s figures
         (unless a signal stopped it)."""
-        checksum = param_checksum(self.model)
-        self.parallel.require_same(checksum, "param_checksum")
+        checksum = param_checksum(self.model, self.parallel.gather)  # also fails if replicas differ
         n_params, n_active = count_parameters(self.model)
         summary = {
             "steps": self.step,
@@ -370,6 +411,7 @@ class Trainer:
             "strategy": self.parallel.strategy,
             "mesh": self.parallel.mesh.shape.as_dict(),
             "param_bytes_per_rank": param_bytes(self.model),
+            "peak_memory_bytes_per_rank": self._peak_memory_per_rank(),
             "tricks": self.tricks.names,
             "trick_params": self.tricks.resolved_params(),
             "n_params": n_params,

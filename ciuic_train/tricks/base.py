@@ -8,7 +8,7 @@ trainer reaches them:
 
 | seam | when the trainer calls it |
 |---|---|
-| `init_weights(model)` | once, after building the model, before wrapping it in DDP/FSDP |
+| `init_weights(model, init)` | once, on each rank's materialized parameters (shards under FSDP), after the model's own init |
 | `comm_hook()` | once, when `parallelize` wraps the model in DDP: a communication hook to install, or None |
 | `order_indices(share, epoch)` | by the window sampler, on this rank's share of each epoch (and on resume) |
 | `lr_at(step, schedule)` | at the start of every optimizer step |
@@ -52,6 +52,8 @@ from ciuic_train.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+
+    from ciuic_train.model.init import ParameterInit
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -107,8 +109,13 @@ class Trick:
     # --- seams (see the module docstring for when each is called) -----------------------
 
     @seam
-    def init_weights(self, model: torch.nn.Module) -> None:
-        """Change the freshly built model's weights; the default keeps the model's own init."""
+    def init_weights(self, model: torch.nn.Module, init: ParameterInit) -> None:
+        """Change the step-0 weights; the default keeps the model's own init.
+
+        A rank holds only its rows of a sharded parameter: draw values with `init.fill_`
+        (by rows, the same for every layout; ciuic_train/model/init.py), not by writing
+        whole tensors.
+        """
 
     @seam
     def comm_hook(self) -> CommHook | None:

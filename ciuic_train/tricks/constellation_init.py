@@ -2,13 +2,16 @@
 
     ciuic-train +trick=constellation_init trick.constellation_init.modulation=0.02
 
-Every `nn.Linear` weight is drawn with xavier_uniform from its own generator, seeded by
-(run seed, module name), then each column is multiplied by
-`1 + modulation * sin(phase)`, the phases evenly spaced over [0, 2pi] (`modulation` 0.01).
-Same-shape layers differ, the global RNG that data and dropout use is untouched, and
-every rank computes the same weights for any world size (rank 0's phase, 0); a
-broadcast from rank 0 stays as a guard. Only `nn.Linear` modules are touched, as in the
-article; stacked expert weights and embeddings keep the model's own init.
+Every `nn.Linear` weight is drawn from xavier's uniform distribution, U(-a, a) with
+a = sqrt(6 / (fan_in + fan_out)), from generators of its own, seeded by (run seed, module
+name), then each column is multiplied by `1 + modulation * sin(phase)`, the phases evenly
+spaced over [0, 2pi] (`modulation` 0.01). Same-shape layers differ, the global RNG that
+data and dropout use is untouched, and every rank computes the same weights for any world
+size and layout (rank 0's phase, 0). It works on shards: the values are drawn by blocks
+of rows (`ParameterInit.fill_`, ciuic_train/model/init.py), and a row's modulation
+depends on its columns only, which every shard holds whole; so under FSDP each rank
+draws only its own rows, and no broadcast is needed. Only `nn.Linear` modules are
+touched, as in the article; stacked expert weights and embeddings keep the model's own init.
 Logged into `metrics.jsonl`: `constellation_init/layers_initialised`.
 
 The article's version and its defects
@@ -27,10 +30,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ciuic_train.tricks.base import Trick, derived_seed
+from ciuic_train.tricks.base import Trick
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from ciuic_train.model.init import ParameterInit
 
 
 class ConstellationInit(Trick):
@@ -45,24 +50,22 @@ class ConstellationInit(Trick):
         super().__init__(ctx, params)
         self.layers_initialised = 0
 
-    def init_weights(self, model: nn.Module) -> None:
+    def init_weights(self, model: nn.Module, init: ParameterInit) -> None:
         import torch
-        import torch.distributed as dist
         from torch import nn
 
-        with torch.no_grad():
-            for name, module in model.named_modules():
-                if not isinstance(module, nn.Linear):
-                    continue
-                generator = torch.Generator().manual_seed(derived_seed(self.ctx.seed, "constellation_init", name))
-                weight = torch.empty(module.weight.shape)
-                nn.init.xavier_uniform_(weight, generator=generator)
-                columns = torch.linspace(0, 2 * math.pi, weight.shape[1])
-                weight *= 1 + self.params.modulation * torch.sin(columns)
-                module.weight.copy_(weight)
-                if self.ctx.world_size > 1 and dist.is_initialized():
-                    dist.broadcast(module.weight.data, src=0)
-                self.layers_initialised += 1
+        for name, module in model.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            fan_out, fan_in = module.weight.shape  # global, also for a shard
+            bound = math.sqrt(6.0 / (fan_in + fan_out))
+            modulation = 1 + self.params.modulation * torch.sin(torch.linspace(0, 2 * math.pi, fan_in))
+
+            def draw(block: torch.Tensor, generator: torch.Generator, modulation=modulation, bound=bound) -> None:
+                block.uniform_(-bound, bound, generator=generator).mul_(modulation.to(block.device))
+
+            init.fill_(f"constellation_init:{name}", module.weight, draw)
+            self.layers_initialised += 1
 
     def metrics(self) -> dict[str, float]:
         return {"layers_initialised": self.layers_initialised}

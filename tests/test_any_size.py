@@ -1,0 +1,137 @@
+"""A model larger than one rank: it trains, resumes and loads `init_from` on 8 ranks under a
+per-rank memory limit the kernel enforces, and the same command without sharding is refused.
+
+The model (823 M parameters: `model=small` widened, 256 routed experts per MoE layer) has
+3.1 GiB of fp32 weights and 12.3 GiB of training state (weights, gradients, AdamW);
+each rank may map `LIMIT` (3.0 GiB, RLIMIT_AS, as `ulimit -v` sets it; every worker
+inherits it from torchrun). Only a rank that never holds more than its shards fits:
+the meta build, initialization by rows, loading by rows, the row-hash checksum.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_config, write_text_corpus
+from ciuic_train.train.trainer import Trainer
+
+GIB = 1 << 30
+LIMIT = int(3.0 * GIB)
+BIG = [
+    "model=small", "model.dim=512", "model.n_layers=3", "model.n_routed_experts=256", "model.moe_ffn_dim=1024",
+    "train.seq_len=32", "train.batch_size=1", "train.warmup_steps=1", "train.eval_windows=8", "train.eval_every=2",
+    "sample.max_new_tokens=0", "progress=plain",
+]
+SHARDED = ["dist.dp_shard=8", "dist.ep=8"]
+
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(available_bytes() < 16 * GIB, reason="8 ranks of up to 2 GiB each need 16 GiB available"),
+]
+
+
+def limited():
+    resource.setrlimit(resource.RLIMIT_AS, (LIMIT, resource.RLIM_INFINITY))
+
+
+def run(workdir: Path, *args: str, torchrun: bool = True) -> subprocess.CompletedProcess:
+    """`ciuic-train ARGS` on 8 ranks under torchrun (or as the CLI alone), every process
+    limited to LIMIT of address space."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "PYTHONUNBUFFERED": "1"}
+    data = ["data=text", f"data.path={workdir / 'corpus'}", f"data.cache_dir={workdir / 'cache'}"]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=8", "-m", "ciuic_train"]
+                if torchrun else [str(Path(sys.executable).with_name("ciuic-train"))])
+    return subprocess.run([*launcher, *BIG, *data, *args], cwd=workdir, env=env, preexec_fn=limited,
+                          capture_output=True, text=True, timeout=900)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("any_size")
+    write_text_corpus(root / "corpus")
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(workdir) -> Path:
+    run_dir = workdir / "big"
+    result = run(workdir, *SHARDED, "train.max_steps=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_the_model_is_bigger_than_a_rank(trained):
+    n_params = summary(trained)["n_params"]
+    assert 4 * n_params > LIMIT  # its fp32 weights alone
+    assert 16 * n_params > 4 * LIMIT  # weights, gradients and AdamW: several ranks' worth
+
+
+def test_it_trains_on_eight_ranks_within_the_limit(trained, record_property):
+    peaks = summary(trained)["peak_memory_bytes_per_rank"]
+    record_property("peak_memory_gib_per_rank", [round(p / GIB, 2) for p in peaks])
+    print("peak memory per rank (VmHWM, GiB):", [round(p / GIB, 2) for p in peaks])
+    assert len(peaks) == 8 and max(peaks) < LIMIT
+    assert summary(trained)["steps"] == 2
+
+
+def test_it_resumes_within_the_limit(workdir, trained):
+    result = run(workdir, *SHARDED, "train.max_steps=3", "resume=auto", f"hydra.run.dir={trained}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = summary(trained)
+    assert resumed["steps"] == 3 and resumed["resumed_from"].endswith("step_000002")
+    print("peak memory per rank after resuming (GiB):", [round(p / GIB, 2) for p in resumed["peak_memory_bytes_per_rank"]])
+    assert max(resumed["peak_memory_bytes_per_rank"]) < LIMIT
+
+
+def test_without_sharding_it_is_refused_in_one_line(workdir):
+    run_dir = workdir / "replicas"
+    result = run(workdir, "dist.nproc_per_node=8", "dist.strategy=ddp", "train.max_steps=1",
+                 f"hydra.run.dir={run_dir}", torchrun=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(set(errors)) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "dist.dp_shard" in errors[0]
+    assert not run_dir.exists()
+
+
+def test_init_from_loads_by_shard_within_the_limit_and_starts_where_one_process_does(workdir, trained, tmp_path):
+    folder = tmp_path / "hf"
+    # Split into files as published checkpoints are: each is mapped while it is read, and a
+    # mapping counts against the address-space limit as a whole.
+    export = subprocess.run([Path(sys.executable).with_name("ciuic-train-export"), str(trained), "--format", "hf",
+                             "--out", str(folder), "--max-shard-size", "300MB"], capture_output=True, text=True,
+                            timeout=600)
+    assert export.returncode == 0, export.stderr[-3000:]
+    run_dir = workdir / "from_hf"
+    result = run(workdir, *SHARDED, "train.max_steps=1", f"init_from={folder}", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert max(summary(run_dir)["peak_memory_bytes_per_rank"]) < LIMIT
+    sharded_first_loss = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+
+    # One process, unlimited, no optimizer step: the same global batch (8 windows) through
+    # the same weights, loaded whole.
+    config = compose_config(*BIG, "train.batch_size=8", "data=text", f"data.path={workdir / 'corpus'}",
+                            f"data.cache_dir={workdir / 'cache'}", f"init_from={folder}")
+    (tmp_path / "reference").mkdir()  # Hydra makes it for the CLI
+    trainer = Trainer(config, tmp_path / "reference")
+    with torch.no_grad():
+        batch = trainer._batch(trainer.sampler.next_indices(8), trainer.data.train)
+        loss = trainer._loss(*batch).item()
+    assert sharded_first_loss == pytest.approx(loss, rel=1e-5)
