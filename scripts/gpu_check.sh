@@ -15,8 +15,9 @@
 # Stages (each under `timeout`, clipped to what is left of the budget; a failing stage
 # does not stop the next): env (nvidia-smi, GPU seen), python (find an interpreter with
 # CUDA torch and ciuic_train, else install: see below), torch (versions, CUDA, device
-# capability, SDPA flags), tests (pytest tests/test_gpu.py -m gpu -v -rA), params (the ~1B
-# config's parameter count, on meta), matmul (measured bf16/fp32 peak), bare (bare-loop
+# capability, SDPA flags), tests (pytest tests/test_gpu.py -m gpu -v -rA; among them the
+# meta build straight onto the GPU, no host copy), params (the ~1B config's parameter
+# count, on meta), matmul (measured bf16/fp32 peak), bare (bare-loop
 # tokens/s and MFU), bench (scripts/bench.py: trainer and bare loop, 2 rounds). Output:
 # OUT/gpu_check.log (everything), OUT/summary.txt (verdicts and figures), test_gpu.xml,
 # params.json, matmul.json, bench.json, nvidia-smi.txt. Exit status: 0 every stage

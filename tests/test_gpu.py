@@ -317,6 +317,30 @@ def test_a_cuda_run_resumes_from_its_checkpoint_on_cuda(tmp_path, text_corpus):
     assert summary["steps"] == 3 and math.isfinite(summary["final_train_loss"])
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_the_meta_build_materializes_on_the_gpu_without_a_host_copy(tmp_path, text_corpus):
+    """A 1.6 GB model (400 M parameters) goes from meta straight to the GPU: the host's resident
+    memory grows by far less than the model, and the same seed gives the weights a second build gives."""
+    big = ["model=small", "model.dim=512", "model.n_layers=3", "model.n_routed_experts=128", "model.moe_ffn_dim=1024"]
+    torch.zeros(1, device="cuda")  # the CUDA context's own host memory is not the model's
+    before = resident_bytes()
+    trainer = cuda_trainer(tmp_path / "run", text_corpus, *big, "sample.max_new_tokens=0")
+    grown = resident_bytes() - before
+    model_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    print(f"model {model_bytes / 2**30:.2f} GiB on the GPU; host resident memory grew {grown / 2**30:.2f} GiB")
+    assert model_bytes > 1.5 * 2**30
+    assert all(p.is_cuda for p in trainer.model.parameters()) and all(b.is_cuda for b in trainer.model.buffers())
+    assert torch.cuda.memory_allocated() >= model_bytes
+    assert grown < model_bytes / 4
+    again = cuda_trainer(tmp_path / "again", text_corpus, *big, "sample.max_new_tokens=0")
+    for (name, p), q in zip(trainer.model.named_parameters(), again.model.parameters()):
+        assert torch.equal(p, q), f"{name}: the same seed drew other weights on CUDA"
+
+
 # --- last: a backend that breaks the CUDA context cannot take the other tests with it ---------
 
 

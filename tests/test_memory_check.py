@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ciuic_train.cli.main import main
 from ciuic_train.cli.preflight import MEMORY_CHECKED_BY, check_request
 from ciuic_train.errors import RankFailed, UserError
 from ciuic_train.launch import paths as launch
@@ -127,21 +128,23 @@ def test_the_refusal_names_the_need_the_room_and_a_layout_that_fits():
     assert "\n" not in line
     assert line.startswith("model=small on 1 rank does not fit in memory: each rank needs 4.81 GiB for its weights")
     assert "a rank here has 2.00 GiB (available memory)" in line
-    assert "it would fit with dist.nnodes=3 dist.dp_shard=3 (3 nodes like this one;" in line
+    assert "it would fit with dist.nnodes=8 dist.dp_shard=8 (8 nodes like this one; about 1.40 GiB per rank in all)" in line
     assert line.endswith("to start anyway: train.check_memory=false")
-    _, on_3, _ = figures(*WIDE, "dist.nnodes=3", "dist.dp_shard=3")
+    _, on_3, total_on_3 = figures(*WIDE, "dist.nnodes=3", "dist.dp_shard=3")
     _, on_2, _ = figures(*WIDE, "dist.nnodes=2", "dist.dp_shard=2")
-    assert on_3 <= room.bytes < on_2  # the fewest nodes
+    assert on_3 <= room.bytes < on_2  # 3 nodes are the fewest for the exact part,
+    _, _, total_on_4 = figures(*WIDE, "dist.nnodes=4", "dist.dp_shard=4", "activation_checkpointing=true", "train.batch_size=1")
+    assert total_on_3 > room.bytes and total_on_4 > room.bytes  # but the total needs the next power of two
 
 
 def test_the_refusal_shards_over_the_ranks_the_run_has_before_asking_for_more():
     config = compose_config(*WIDE, "dist.nproc_per_node=4")  # DDP: every rank holds it all
     verdict = check_memory(config, Room(4 * GIB, "available memory / 4 local ranks"))
     assert not verdict.fits and "on 4 ranks" in verdict.line and "each rank needs 6.01 GiB" in verdict.line
-    assert "it would fit with dist.dp_shard=4 (about 2.90 GiB per rank in all);" in verdict.line
+    assert "it would fit with dist.dp_shard=4 (about 2.00 GiB per rank in all);" in verdict.line
     # With less room the total needs more shards: whole nodes like this one, of 4 ranks each.
     verdict = check_memory(config, Room(2 * GIB, "available memory / 4 local ranks"))
-    assert "it would fit with dist.nnodes=4 dist.dp_shard=16 (4 nodes like this one; about" in verdict.line
+    assert "it would fit with dist.nnodes=2 dist.dp_shard=8 (2 nodes like this one; about 1.40 GiB per rank in all)" in verdict.line
 
 
 def test_the_warning_names_single_changes_that_bring_the_total_within_reach():
@@ -175,7 +178,7 @@ def room_of(monkeypatch):
     return pretend
 
 
-def test_preflight_refuses_warns_or_lets_the_user_skip(tmp_path, text_corpus, room_of, capsys, monkeypatch):
+def test_preflight_refuses_warns_or_lets_the_user_skip(tmp_path, text_corpus, room_of, capsys):
     args = [*corpus(text_corpus, tmp_path), f"hydra.run.dir={tmp_path / 'run'}"]
     room_of(2 * GIB)
     with pytest.raises(UserError, match=r"does not fit in memory: each rank needs 4.81 GiB .* has 2.00 GiB"):
@@ -183,10 +186,10 @@ def test_preflight_refuses_warns_or_lets_the_user_skip(tmp_path, text_corpus, ro
     (job,) = check_request([*args, *WIDE, "train.check_memory=false"], check_memory=True)
     assert job.config.train.check_memory is False
     check_request([*args, *WIDE], check_memory=False)  # --plan reports instead
-    with monkeypatch.context() as patch:
-        patch.setattr(sys, "argv", ["ciuic-train", *args, *WIDE, "--plan"])
-        check_request([*args, *WIDE])  # which is the default under --plan
     assert capsys.readouterr().err == ""
+    main([*args, *WIDE, "--plan"])  # which is what the command asks for under --plan
+    assert "per rank" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
 
     _, exact, total = figures(*LONG)
     room_of((exact + total) // 2)

@@ -1,4 +1,4 @@
-"""The command's flags: our own two (`--plan`, `--list-tricks`) and Hydra's, read as Hydra reads them.
+"""The command's flags: our own (`--plan`, `--simulate`, `--list-tricks`) and Hydra's, read as Hydra reads them.
 
 Hydra has no public parser for its command line, so `parse_hydra_command_line` borrows its
 private one; this is the only module that does, and everything else reads the flags
@@ -13,6 +13,7 @@ from ciuic_train.cli.compose import CONFIG_NAME
 
 PROG = "ciuic-train"
 PLAN_FLAG = "--plan"
+SIMULATE_FLAG = "--simulate"  # only with --plan: rank 0 of the planned cluster, one step on fake tensors
 LIST_TRICKS_FLAG = "--list-tricks"
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ciuic_train.cli.flags import (
-    LIST_TRICKS_FLAG, PLAN_FLAG, PROG, composes_our_config, parse_hydra_command_line, runs_jobs,
+    LIST_TRICKS_FLAG, PLAN_FLAG, PROG, SIMULATE_FLAG, composes_our_config, parse_hydra_command_line, runs_jobs,
 )
 from ciuic_train.cli.help import list_tricks, print_help
 from ciuic_train.cli.job import hydra_job
@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     if LIST_TRICKS_FLAG in argv:
         list_tricks()
         return
-    plan = PLAN_FLAG in argv
-    argv = [a for a in argv if a != PLAN_FLAG]
+    plan, simulate = PLAN_FLAG in argv, SIMULATE_FLAG in argv
+    argv = [a for a in argv if a not in (PLAN_FLAG, SIMULATE_FLAG)]
+    if simulate and not plan:
+        fail(f"{SIMULATE_FLAG} steps one rank of the cluster --plan describes: use it with --plan")
     args, _ = parse_hydra_command_line(argv)
     try:
         if args.help and composes_our_config(args):
@@ -42,12 +44,12 @@ def main(argv: list[str] | None = None) -> None:
         if runs_jobs(args):
             path = launch.current()
             argv += path.overrides_before_check(argv)
-            jobs = check_request(argv, path)
+            jobs = check_request(argv, path, check_memory=not plan)
             if plan:
                 from ciuic_train.tools.plan_tables import print_plan
 
                 for job in jobs:
-                    print_plan(job.config)
+                    print_plan(job.config, simulate=simulate)
                 return
             if jobs:
                 argv += _claim_folder(jobs[0], path, args.multirun)

@@ -21,13 +21,12 @@ import dataclasses
 import importlib.util
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from hydra.core.override_parser.types import Override
 
 from ciuic_train.cli.compose import compose, config_module, job_config, without_hydra
-from ciuic_train.cli.flags import PLAN_FLAG, PROG, composes_our_config, parse_hydra_command_line
+from ciuic_train.cli.flags import PROG, composes_our_config, parse_hydra_command_line
 from ciuic_train.cli.messages import as_user_errors, is_rank_0, print_warning
 from ciuic_train.cli.sweeps import job_overrides, parse_overrides
 from ciuic_train.config import Config
@@ -51,18 +50,15 @@ class CheckedJob:
 
 def check_request(
     argv: list[str], path: launch.LaunchPath | None = None, config_only: bool = False,
-    check_memory: bool | None = None,
+    check_memory: bool = True,
 ) -> list[CheckedJob]:
     """Compose and check every job the command line asks for, before anything runs.
 
     `path` is how this process was started (default: as the environment says);
     `config_only` is for commands that print the config: they skip the corpus and
     checkpoint checks, which need torch. `check_memory`: whether a job that would not
-    fit here is refused; by default unless the command asks for --plan, which reports
-    the figures instead.
+    fit here is refused (--plan reports the figures instead).
     """
-    if check_memory is None:
-        check_memory = PLAN_FLAG not in sys.argv[1:]
     args, unknown = parse_hydra_command_line(argv)
     if unknown:
         raise UserError(f"unknown option {unknown[0]!r}; see {PROG} --help")

@@ -79,16 +79,27 @@ class ExpertDispatch:
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # [ep * n_local]: per source rank
         received = received.view(self.ep_size, n_local)  # [source rank, local expert]
-        send = counts.view(self.ep_size, n_local).sum(1).tolist()
-        receive = received.sum(1).tolist()
+        send, receive = self.split_sizes(len(x), counts, received)
 
         rows = all_to_all(x, receive, send, self.group)  # rank-major, expert-sorted within a rank
         local_expert = torch.arange(n_local, device=x.device).repeat(self.ep_size)
         local_expert = local_expert.repeat_interleave(received.flatten(), output_size=len(rows))
         by_expert = local_expert.argsort(stable=True)
         out = self.local_kernel(rows[by_expert], received.sum(0), w13, w2)
-        out = torch.empty_like(out).index_copy(0, by_expert, out)  # back to rank-major order
-        return all_to_all(out, send, receive, self.group)
+        # Back to rank-major order, gathered through the inverse permutation: autograd keeps
+        # only the index of a gather, where index_copy would keep its whole source (the
+        # experts' output, a row of dim per routed token) until backward.
+        rank_major = torch.empty_like(by_expert)
+        rank_major[by_expert] = torch.arange(len(by_expert), device=x.device)
+        return all_to_all(out.index_select(0, rank_major), send, receive, self.group)
+
+    def split_sizes(self, rows: int, counts: torch.Tensor, received: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Rows this rank sends to each ep rank, and receives from each, as the row
+        all-to-alls want them: host integers, so this waits for the device. Counted from
+        this rank's counts per expert [E] (they sum to `rows`) and the counts it received
+        [source rank, local expert]; a simulation, whose counts hold no values, overrides
+        this (ciuic_train/tools/simulate.py)."""
+        return counts.view(self.ep_size, -1).sum(1).tolist(), received.sum(1).tolist()
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -100,8 +111,10 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 def split_experts(model: nn.Module, ep_mesh) -> None:
     """Keep only this rank's slice of every MoE layer's routed experts, and dispatch to them.
 
-    Every rank built the same full weights from the same seed; rank i of the ep group
-    keeps experts [i * E / ep, (i + 1) * E / ep) as a DTensor split on dim 0 (`Shard(0)`).
+    Rank i of the ep group holds experts [i * E / ep, (i + 1) * E / ep) as a DTensor split
+    on dim 0 (`Shard(0)`). On a model built on meta (the trainer's) that slice is created
+    at its local shape and nothing is allocated; on a built model it is cut from the
+    weights every rank drew alike.
     """
     from torch.distributed.tensor import DTensor, Shard
 

@@ -63,8 +63,13 @@ def swiglu_grouped_mm(x: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2
 
 def swiglu_per_expert(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """The same as `swiglu_grouped_mm`, one expert at a time, for counts[e] rows of expert e."""
+    return swiglu_of_groups(x, counts.tolist(), w13, w2)  # tolist() waits for the device
+
+
+def swiglu_of_groups(x: torch.Tensor, sizes: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """`swiglu_per_expert` for split sizes known on the host (a simulation supplies its own)."""
     out = []
-    for e, rows in enumerate(x.split(counts.tolist())):  # tolist() waits for the device
+    for e, rows in enumerate(x.split(sizes)):
         gate, up = (rows @ w13[e].T).chunk(2, dim=-1)
         out.append((F.silu(gate) * up) @ w2[e].T)
     return torch.cat(out)

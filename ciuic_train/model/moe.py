@@ -128,14 +128,24 @@ class MoE(nn.Module):
         scores = self.affinities(x)  # [N, E]
         weights, indices = self.choose(scores)  # [N, k] each
         if self.training and (self.aux_loss_alpha or self.seq_aux_loss_alpha):
-            self.balance_loss = self.balance_losses(scores.view(*shape[:-1], -1), indices.view(*shape[:-1], -1))
+            losses = self.balance_losses(scores.view(*shape[:-1], -1), indices.view(*shape[:-1], -1))
+            # Kept from the forward only. When activation checkpointing recomputes the block
+            # in backward (it must compute them again, to save what the forward saved), losses
+            # kept here until the next forward would hold the recomputed graph, and with it
+            # every MoE block's recomputed attention activations, to the end of backward.
+            if torch._C._current_graph_task_id() == -1:
+                self.balance_loss = losses
 
         # Sort the N * k (token, expert) assignments by expert, so each expert's tokens form
         # one contiguous slice for the grouped matmul.
         expert_of_assignment = indices.flatten()
         order = expert_of_assignment.argsort(stable=True)
         token_of_assignment = order // self.n_activated_experts  # [N * k]
-        counts = torch.bincount(expert_of_assignment, minlength=self.n_routed_experts)  # [E]
+        # Summed into a fixed [E] (bincount's length would depend on the values), so every
+        # shape of the step follows from the input's, which a simulation on fake tensors needs.
+        counts = expert_of_assignment.new_zeros(self.n_routed_experts).scatter_add_(
+            0, expert_of_assignment, torch.ones_like(expert_of_assignment)
+        )  # [E]
         if self.training:
             self.tokens_per_expert += counts
         routed = self.routed_experts(x.index_select(0, token_of_assignment), counts, self.w13, self.w2)

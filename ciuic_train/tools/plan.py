@@ -40,7 +40,9 @@ ranks that hold the same experts: ceil((E / ep) / efsdp) experts' rows. Replicas
 - gradients: 4 bytes per stored element (FSDP2 reduces into fp32 sharded gradients; DDP's
   param.grad is fp32), and under DDP the reducer's fp32 buckets hold another copy
   (gradient_as_bucket_view is off): `ddp_buckets`;
-- optimizer: AdamW's exp_avg and exp_avg_sq, fp32: 8 bytes per stored element;
+- optimizer: AdamW's exp_avg and exp_avg_sq, fp32: 8 bytes per stored element, and
+  its step count, a 4-byte fp32 tensor per parameter tensor (the fused AdamW keeps it on
+  the device);
 - with train.grad_accum > 1 under FSDP2, the micro-batches before the last skip the
   gradient sync and FSDP2 keeps each unit's *unsharded* gradient until the last one,
   in fp32 (the reduce dtype): 4 bytes per gathered element of every unit
@@ -68,6 +70,20 @@ An estimate of the tensors autograd saves for backward per micro-batch, at width
 `precision`, `device` and FSDP; that module's docstring gives every term. Without
 activation checkpointing: every block's saved tensors + one more block's worth; with it:
 each block's input + 2 x the largest block; plus the terms outside the blocks.
+
+The total (estimate)
+--------------------
+The parameters, AdamW state, DDP's buckets and accumulated gradients are held all step;
+the rest peaks twice, and not at once: when backward starts, the activations are all
+there and no gradient is yet (the step before set them to None), and when it ends, every
+gradient is, the activations are gone, and the root, the last unit to reduce, holds its
+gradients unsharded and in fp32 for the reduce-scatter. So
+
+    total = held all step + max(root + 2 x largest block + activations,
+                                gradients + root + largest unit's gradients ((g + 4) B per element))
+
+(the FSDP terms under FSDP2 only). `--plan --simulate` measures a step
+(`simulate.py`); docs/plan.md sets the two side by side.
 
 Communication per optimizer step (see `_communication`), bytes a rank sends
 --------------------------------------------------------------------------
@@ -136,12 +152,14 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
     sharded = mesh.strategy in ("fsdp", "hsdp")
 
     stored = {"experts": 0, "other": 0}
+    tensors = {"experts": 0, "other": 0}
     for unit in units:
         for kind in stored:
             stored[kind] += unit.stored[kind]
+            tensors[kind] += unit.tensors[kind]
     params = {kind: 4 * n for kind, n in stored.items()}
     grads = dict(params)
-    optimizer = {kind: 8 * n for kind, n in stored.items()}
+    optimizer = {kind: 8 * n + 4 * tensors[kind] for kind, n in stored.items()}
     ddp_buckets = 4 * sum(stored.values()) if mesh.strategy == "ddp" else 0
     accumulated = (
         4 * sum(u.gathered for u in units) if sharded and config.train.grad_accum > 1 else 0
@@ -154,10 +172,9 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
 
     acts = activation_bytes(config, widths, [u.matmul_weights for u in blocks])
     state = sum(params.values()) + sum(grads.values()) + sum(optimizer.values()) + ddp_buckets + accumulated
-    totals = {
-        "no_ac": state + fsdp_buffers + acts["no_ac"],
-        "ac": state + fsdp_buffers + acts["ac"],
-    }
+    held = sum(params.values()) + sum(optimizer.values()) + ddp_buckets + accumulated
+    backward_end = sum(grads.values()) + (root + largest_unit * (widths.g + 4) if sharded else 0)
+    totals = {key: held + max(root + 2 * largest_block + acts[key], backward_end) for key in ("no_ac", "ac")}
     fits = {gpu: {key: totals[key] <= cap * GIB for key in totals} for gpu, cap in GPUS.items()}
     return {
         "model": config.model.name,
@@ -194,6 +211,7 @@ class Unit:
     """One FSDP unit (a block, or the root): its parameters as this rank stores and gathers them."""
 
     stored: dict[str, int]  # elements stored on rank 0, experts and the rest
+    tensors: dict[str, int]  # parameter tensors, experts and the rest
     gathered: int  # elements of the unit's all-gather output (padded), 0 when not sharded
     sent: dict[str, int]  # elements this rank sends in one all-gather (= in one reduce-scatter)
     replica_shard: int  # elements HSDP all-reduces across replicas (the stored shard)
@@ -226,6 +244,7 @@ def _unique(params):
 def _unit(params, experts, mesh: MeshShape) -> Unit:
     sharded = mesh.strategy in ("fsdp", "hsdp")
     stored = {"experts": 0, "other": 0}
+    tensors = {"experts": 0, "other": 0}
     gathered = 0
     sent = {"experts": 0, "other": 0}
     matmul_weights = 0
@@ -238,12 +257,13 @@ def _unit(params, experts, mesh: MeshShape) -> Unit:
         group = (mesh.efsdp if is_expert else mesh.dp_shard) if sharded else 1
         shard = _stored_elements(d0, rest, group)
         stored[kind] += shard
+        tensors[kind] += 1
         if p.ndim >= 2:
             matmul_weights += d0 * rest
         if sharded:
             gathered += group * shard
             sent[kind] += (group - 1) * shard
-    return Unit(stored, gathered, sent, sum(stored.values()), matmul_weights)
+    return Unit(stored, tensors, gathered, sent, sum(stored.values()), matmul_weights)
 
 
 def _stored_elements(d0: int, rest: int, group: int) -> int:

@@ -1,4 +1,6 @@
-"""`--plan`'s output: the model, the memory of one rank and the bytes it sends, as three tables.
+"""`--plan`'s output: the model, the memory of one rank and the bytes it sends, as three tables,
+and for a CPU run whether it fits this machine (the check a run would make, `memory_check`);
+with `--simulate`, the memory rank 0 held in a simulated step beside them (`simulate.py`).
 
 The figures are `plan.plan_figures`'s; this module only lays them out (with rich).
 """
@@ -9,18 +11,25 @@ from typing import Any
 
 from ciuic_train.config import Config
 from ciuic_train.files import format_bytes
+from ciuic_train.tools.memory_check import check_memory, run_device
+from ciuic_train.tools.memory_limits import usable_bytes_per_rank
 from ciuic_train.tools.plan import GPUS, build_meta_model, plan_figures, resolve_plan_mesh
 
 
-def print_plan(config: Config) -> None:
+def print_plan(config: Config, simulate: bool = False) -> None:
     """Build the model on the meta device (no memory) and print its size, the run's shape,
-    and the per-rank memory and communication for the mesh."""
+    and the per-rank memory and communication for the mesh; with `simulate`, then run rank
+    0's step on fake tensors and print what it measured beside the plan's figures."""
     from rich.console import Console
     from rich.table import Table
 
     from ciuic_train.model import count_mtp_parameters, count_parameters
 
     mesh = resolve_plan_mesh(config)  # a bad mesh is a one-line error before torch loads
+    if simulate:
+        from ciuic_train.tools.simulate import simulable_mesh, simulate as simulate_rank, simulation_table
+
+        simulable_mesh(config)  # refused before anything prints
     model = build_meta_model(config)
     total, active = count_parameters(model)
     mtp_total, mtp_active = count_mtp_parameters(model)
@@ -53,6 +62,12 @@ def print_plan(config: Config) -> None:
     figures = plan_figures(config, model)
     console.print(_memory_table(config, figures))
     console.print(_comm_table(figures))
+    if simulate:
+        console.print(simulation_table(config, figures, simulate_rank(config)))
+    if run_device(config) == "cpu":  # a GPU layout is for the GPUs' columns above, not this machine
+        room = usable_bytes_per_rank("cpu", config.dist.nproc_per_node)
+        if room is not None:
+            console.print(f"this machine: {check_memory(config, room, model).line}", highlight=False)
 
 
 def _memory_table(config: Config, f: dict[str, Any]) -> Any:
@@ -74,7 +89,7 @@ def _memory_table(config: Config, f: dict[str, Any]) -> Any:
 
     table.add_row("parameters", format_bytes(sum(mem["params"].values())), f"fp32; {split(mem['params'])} (exact)")
     table.add_row("gradients", format_bytes(sum(mem["grads"].values())), "fp32, as the parameters (exact)")
-    table.add_row("AdamW state", format_bytes(sum(mem["optimizer"].values())), "2 x fp32 per parameter (exact)")
+    table.add_row("AdamW state", format_bytes(sum(mem["optimizer"].values())), "2 x fp32 per parameter, a step count per tensor (exact)")
     if mem["ddp_buckets"]:
         table.add_row("DDP buckets", format_bytes(mem["ddp_buckets"]), "the reducer's fp32 copy of the gradients")
     if mem["accumulated_grads"]:
@@ -94,7 +109,7 @@ def _memory_table(config: Config, f: dict[str, Any]) -> Any:
         verdicts = ", ".join(
             f"{gpu} ({cap:g} GiB): {'fits' if f['fits'][gpu][key] else 'does not fit'}" for gpu, cap in GPUS.items()
         )
-        table.add_row(f"total {label}", format_bytes(mem["total"][key]), verdicts)
+        table.add_row(f"total {label}", format_bytes(mem["total"][key]), f"the larger of backward's start and end; {verdicts}")
     return table
 
 

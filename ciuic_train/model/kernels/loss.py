@@ -42,9 +42,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         with_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if with_grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
+        # Ignored targets point at row 0 for the gathers, and their losses and gradients are
+        # zeroed by `kept`. Done for every batch, not only one with ignored targets: asking
+        # whether there are any would wait for the device, and make what runs depend on
+        # values (a simulation on fake tensors has none). Zeroing costs O(tokens x dim).
         ignored = targets == IGNORE_INDEX
-        any_ignored = bool(ignored.any())
-        targets = targets.masked_fill(ignored, 0) if any_ignored else targets
+        targets = targets.masked_fill(ignored, 0)
+        kept = (~ignored).to(dtype).unsqueeze(-1)  # [N, 1]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         # One logits buffer serves every chunk: a fresh one per chunk would be handed back
         # to the OS and faulted in again each time.
@@ -66,20 +70,21 @@ class LinearCrossEntropy(torch.autograd.Function):
             losses = logits.amax(dim=0) - logits[t_c, cols]
             probs = softmax_fp32(logits, dim=0)
             losses -= probs.amax(dim=0).log()
-            if any_ignored:
-                losses.masked_fill_(ignored[start : start + chunk], 0)
+            losses.masked_fill_(ignored[start : start + chunk], 0)
             total += losses.sum()
             if not with_grads:
                 continue
             probs[t_c, cols] -= 1
-            if any_ignored:
-                probs.masked_fill_(ignored[start : start + chunk], 0)
             grad_logits = probs.to(dtype)
-            grad_h[start : start + chunk] = grad_logits.T @ weight_c
+            # An ignored token's column of grad_logits meets only its own row of h and of
+            # grad_h: zeroing those rows drops its gradient, without touching the logits.
+            kept_c = kept[start : start + chunk]
+            grad_h[start : start + chunk] = (grad_logits.T @ weight_c).mul_(kept_c)
+            h_kept = h_c * kept_c
             if dtype == torch.float32:
-                grad_weight.addmm_(grad_logits, h_c)
+                grad_weight.addmm_(grad_logits, h_kept)
             else:
-                grad_weight += grad_logits @ h_c
+                grad_weight += grad_logits @ h_kept
         if with_grads:
             ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
         return total
