@@ -1,4 +1,6 @@
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +50,41 @@ def write_text_corpus(folder: Path) -> Path:
 @pytest.fixture
 def text_corpus(tmp_path: Path) -> Path:
     return write_text_corpus(tmp_path / "corpus")
+
+
+def free_port() -> int:
+    """A TCP port the OS has free now, for a rendezvous: asked of the OS, not drawn from an
+    RNG, whose state other tests set."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_resident_growth(call) -> int:
+    """Bytes by which this process's peak resident memory rose above its current one while
+    `call()` ran: the peak (VmHWM) is reset first (Linux's /proc/self/clear_refs), so what
+    earlier tests raised it to does not hide this call's allocations."""
+    def read(field: str) -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
+
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = read("VmRSS")
+    call()
+    return read("VmHWM") - before
+
+
+@pytest.fixture(autouse=True)
+def global_state_restored():
+    """What a test changes of the process's global state is put back after it: torch's
+    thread count, and the RNGs a trainer built in-process reseeds, so no test's outcome
+    depends on which ran before it."""
+    threads, python_rng, torch_rng = torch.get_num_threads(), random.getstate(), torch.random.get_rng_state()
+    yield
+    torch.set_num_threads(threads)
+    random.setstate(python_rng)
+    torch.random.set_rng_state(torch_rng)
 
 
 @pytest.fixture

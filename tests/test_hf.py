@@ -66,11 +66,15 @@ def export_of(corpus, tmp_path_factory):
 
     def get(variant: str):
         if variant not in done:
+            threads = torch.get_num_threads()
             torch.set_num_threads(1)
             overrides = [*corpus, "train.max_steps=3", "train.lr=1e-2", "train.warmup_steps=0"]
             run_dir = tmp_path_factory.mktemp(variant)
-            trainer = Trainer(config_of(*overrides, *VARIANTS[variant]), run_dir)
-            trainer.fit()  # ends with a save
+            try:
+                trainer = Trainer(config_of(*overrides, *VARIANTS[variant]), run_dir)
+                trainer.fit()  # ends with a save
+            finally:
+                torch.set_num_threads(threads)
             export.main([str(run_dir), "--format", "hf"])
             done[variant] = trainer.model.eval(), run_dir / "hf_step3", overrides
         return done[variant]

@@ -5,7 +5,6 @@ launcher) and tests/test_slurm.py (srun, the Hydra launchers).
 """
 
 import os
-import socket
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -14,6 +13,7 @@ from ciuic_train.launch import paths as launch
 from ciuic_train.cli.preflight import check_request
 from ciuic_train.errors import UserError
 from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task
+from conftest import free_port
 
 # Everything a path reads from the environment, or a path's hook writes into it.
 LAUNCH_ENV = (
@@ -65,12 +65,6 @@ def test_srun_tasks_take_their_rank_from_slurm_and_share_a_folder_named_after_th
     assert os.environ["OMP_NUM_THREADS"]  # set before torch is imported
     named = launch.SrunTask().overrides_before_check(["hydra.run.dir=mine"])
     assert not any(o.startswith("hydra.run.dir=") for o in named)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_elastic_workers_take_the_first_proposed_folder(env, tmp_path):

@@ -1,6 +1,5 @@
 import dataclasses
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -329,11 +328,9 @@ PUBLISHED = {"deepseek_v2_lite": (15.7, 2.4, 0.12), "deepseek_v3": (671.0, 37.0,
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_published_parameter_counts_on_meta(name):
     published_total, published_active, active_tolerance = PUBLISHED[name]
-    start = time.perf_counter()
     with torch.device("meta"):
         model = Transformer(load_preset(name))
-    assert time.perf_counter() - start < 5
-    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])  # no storage: nothing drawn or allocated
     total, active = count_parameters(model)
     assert total / 1e9 == pytest.approx(published_total, rel=0.005)
     assert active / 1e9 == pytest.approx(published_active, rel=active_tolerance)

@@ -8,7 +8,6 @@ tests are skipped, unless CIUIC_REQUIRE_NETNS=1 says it must be there.
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import torchrun, write_text_corpus
+from conftest import free_port, torchrun, write_text_corpus
 
 pytestmark = pytest.mark.netns
 
@@ -56,7 +55,7 @@ def on_host(host: int, nproc: int, port: int, run_id: str, args: list[str], cwd:
 
 def two_hosts(workdir: Path, name: str, nproc: int, *extra: str) -> Path:
     run_dir = workdir / name
-    port = random.randint(20000, 40000)
+    port = free_port()
     hosts = [on_host(h, nproc, port, name, common(workdir, run_dir, *extra), workdir) for h in (0, 1)]
     outputs = [host.communicate(timeout=300)[0] for host in hosts]
     assert [host.returncode for host in hosts] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
@@ -115,22 +114,23 @@ def test_a_dead_node_fails_the_other_at_once_and_the_rerun_job_ends_as_if_it_had
     lost rank; the job run again (a requeue) resumes and ends with the uninterrupted weights.
     (A replacement node under `--max-restarts`: the next test.)
     """
-    run_dir, port = workdir / "dies", random.randint(20000, 40000)
+    run_dir, port = workdir / "dies", free_port()
     args = common(workdir, run_dir, *LONG)
     hosts = [on_host(h, 1, port, "dies", args, workdir) for h in (0, 1)]
     wait_for_step(run_dir, 60)
     subprocess.run([str(CLUSTER), "kill", "1"], check=True, capture_output=True)
-    tic = time.monotonic()
     output = hosts[0].communicate(timeout=120)[0]
     hosts[1].wait(timeout=30)
     assert hosts[0].returncode != 0
-    assert time.monotonic() - tic < 30  # within dist.timeout_s: a closed connection is seen at once
     errors = [line for line in output.splitlines() if line.startswith("ciuic-train: error:")]
     assert len(errors) == 1, output[-3000:]
     assert "rank 0 on host0 10.77.0.1 lost contact with rank 1 (host1 10.77.0.2)" in errors[0]
+    # Seen at once, as a closed connection, not after dist.timeout_s as a collective that timed out.
+    assert any(cause in errors[0] for cause in ("closed by peer", "reset by peer", "Broken pipe")), errors[0]
+    assert "imed out" not in errors[0].split(". A node died")[0], errors[0]
     assert "Traceback" not in output.split("ciuic-train: error:")[0]  # ours is one line (torchrun's agent adds its own)
 
-    port = random.randint(20000, 40000)
+    port = free_port()
     hosts = [on_host(h, 1, port, "dies-rerun", args, workdir) for h in (0, 1)]
     outputs = [host.communicate(timeout=300)[0] for host in hosts]
     assert [host.returncode for host in hosts] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
@@ -149,7 +149,7 @@ def test_a_dead_node_started_again_under_max_restarts_resumes_and_ends_as_if_it_
     waits for the new agent's role info: both time out (seen here). A 1 s keep-alive lets
     the new round start ~3 s after the death, not torch's 15 s.
     """
-    run_dir, port = workdir / "replaced", random.randint(20000, 40000)
+    run_dir, port = workdir / "replaced", free_port()
     args, env = common(workdir, run_dir, *LONG), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     options = ("--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3",)
     hosts = [on_host(h, 1, port, "replaced", args, workdir, 1, env, options) for h in (0, 1)]
@@ -165,7 +165,7 @@ def test_a_dead_node_started_again_under_max_restarts_resumes_and_ends_as_if_it_
 
 def test_a_link_down_for_seconds_is_survived(workdir, uninterrupted):
     """TCP retransmits across a short outage: the collective waits, then goes on."""
-    run_dir, port = workdir / "blip", random.randint(20000, 40000)
+    run_dir, port = workdir / "blip", free_port()
     hosts = [on_host(h, 1, port, "blip", common(workdir, run_dir, *LONG), workdir) for h in (0, 1)]
     wait_for_step(run_dir, 10)
     subprocess.run([str(CLUSTER), "link", "1", "down"], check=True)

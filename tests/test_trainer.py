@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ciuic_train.config import Precision
+from ciuic_train.config import Device, Precision
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
 from ciuic_train.config import DecayShape, Schedule
@@ -16,7 +16,7 @@ from ciuic_train.train.loop import Throughput
 from ciuic_train.train.metrics import format_step
 from ciuic_train.train.optim import LrSchedule, build_optimizer
 from ciuic_train.distributed.params import param_checksum
-from ciuic_train.train.trainer import Trainer
+from ciuic_train.train.trainer import Trainer, resolve_device
 from ciuic_train.tricks import Trick, TrickContext, TrickSet, build_tricks, check_tricks
 from conftest import compose_config
 
@@ -320,3 +320,19 @@ def test_balance_losses_are_logged_and_survive_activation_checkpointing(tmp_path
     figures = tiny_trainer(tmp_path / "d", text_corpus, *balanced).train_step()
     assert figures["aux_loss"] > 0 and figures["seq_aux_loss"] > 0
     assert "aux_loss" not in tiny_trainer(tmp_path / "e", text_corpus).train_step()
+
+
+def test_a_local_rank_without_a_gpu_of_its_own_is_one_line(monkeypatch):
+    """Two ranks on a node that shows one GPU: rank 1 is told so, not CUDA's "invalid device
+    ordinal" at its first kernel. (CUDA is pretended here; rank 0's real path runs in test_gpu.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    for choice in (Device.auto, Device.cuda):
+        with pytest.raises(UserError) as refused:
+            resolve_device(choice, local_rank=1)
+        assert str(refused.value) == (
+            "local rank 1 has no GPU of its own: this node shows 1 (CUDA_VISIBLE_DEVICES=3); "
+            "run at most dist.nproc_per_node=1 ranks per node, or device=cpu"
+        )
+    assert resolve_device(Device.cpu, local_rank=1) == torch.device("cpu")

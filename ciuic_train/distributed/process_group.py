@@ -70,7 +70,10 @@ class Parallel:
                 raise UserError("dist.backend=nccl needs device=cuda; use dist.backend=gloo on CPU")
             if not dist.is_initialized():
                 timeout = timedelta(seconds=cfg.timeout_s)
-                dist.init_process_group(backend, timeout=timeout, **_attempt_store(self.info, timeout))
+                # A GPU rank names its device: NCCL then binds its communicator to it at once,
+                # instead of guessing one from the current device at the first collective.
+                device_id = device if device.type == "cuda" else None
+                dist.init_process_group(backend, timeout=timeout, device_id=device_id, **_attempt_store(self.info, timeout))
                 self.group_started = True
         self.mesh = Mesh(shape, device)
         # Where every rank runs, so that a lost connection can name the rank behind it.

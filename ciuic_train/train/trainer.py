@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from contextlib import nullcontext
 from pathlib import Path
@@ -86,6 +87,13 @@ def resolve_device(choice: Device, local_rank: int = 0) -> torch.device:
         raise UserError("device=cuda but no CUDA device is available; use device=cpu or device=auto")
     if choice is Device.cpu or not torch.cuda.is_available():
         return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:  # else CUDA's own "invalid device ordinal", deep inside the first kernel
+        raise UserError(
+            f"local rank {local_rank} has no GPU of its own: this node shows {count} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"run at most dist.nproc_per_node={count} ranks per node, or device=cpu"
+        )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
