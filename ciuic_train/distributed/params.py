@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Callable
 
 import torch
@@ -48,7 +49,8 @@ def param_checksum(model: nn.Module, gather: Callable[[str], list[str]] | None =
     for name, param in sorted(model.named_parameters()):
         rows = local_rows(param)
         local = rows.local.detach().cpu().contiguous()
-        flat = local.reshape(local.shape[0], -1).view(torch.uint8).numpy()
+        # The row width spelled out: a padded FSDP2 shard may hold no row, where -1 is ambiguous.
+        flat = local.reshape(local.shape[0], math.prod(local.shape[1:])).view(torch.uint8).numpy()
         mine[name] = (rows.global_shape[0], rows.start, [hashlib.sha256(row.tobytes()).hexdigest()[:32] for row in flat])
     everyone = [json.loads(part) for part in gather(json.dumps(mine))] if gather else [mine]
     digest = hashlib.sha256()
