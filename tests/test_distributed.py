@@ -157,6 +157,20 @@ def test_grad_consistency_is_logged_without_changing_the_training(tmp_path, text
     assert checksums[0] == checksums[1]
 
 
+@pytest.mark.slow
+def test_grad_consistency_on_real_ranks_equals_an_independent_computation(tmp_path):
+    """Three gloo ranks with gradients of their own: the metric is the mean over ranks of
+    cos(own gradient, mean gradient), computed apart in float64 from every rank's
+    gradients gathered, and the gradients are left averaged (tests/consistency_rank.py)."""
+    out = tmp_path / "consistency.json"
+    result = torchrun("--nproc_per_node=3", str(Path(__file__).with_name("consistency_rank.py")), str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert 0.3 < min(found["cosines"]) and max(found["cosines"]) < 0.95, found  # neither unrelated nor aligned
+    assert found["measured"] == pytest.approx(found["expected"], abs=1e-6)
+    assert found["max_grad_error"] < 1e-6
+
+
 @pytest.mark.parametrize("setting, message", [
     ("dist.strategy=fsdp", "train.log_grad_consistency needs replicas' whole gradients (DDP); "
                            "dist.strategy=fsdp shards them (dp_replicate=1 x dp_shard=2, ep=1)"),
