@@ -30,6 +30,14 @@ def complete_checkpoints(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
+def rerun_from(run_dir: Path, resume: str) -> tuple[Path | None, str]:
+    """What a rerun of a run that stopped continues from, for the line that says how: the
+    run folder's last complete checkpoint (None if none was saved), and the override it
+    needs (" resume=auto", or "" where the run resumes automatically already)."""
+    found = complete_checkpoints(run_dir / "checkpoints")
+    return (found[-1] if found else None), ("" if resume == "auto" else " resume=auto")
+
+
 def resolve_resume(choice: str, run_dir: Path) -> Path | None:
     """`none`, `auto` (latest complete checkpoint of this run folder, if any) or a path."""
     if choice == "none":

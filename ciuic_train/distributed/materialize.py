@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ciuic_train.model.init import Rows
+from ciuic_train.model.init import Rows, whole_rows
 
 
 def local_rows(param: torch.Tensor) -> Rows:
@@ -29,7 +29,7 @@ def local_rows(param: torch.Tensor) -> Rows:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
-        return Rows(param.data, param.shape, 0)
+        return whole_rows(param)
     local = param.to_local()
     _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     if any(offset[1:]):

@@ -19,6 +19,7 @@ from torch import nn
 
 from ciuic_train.distributed.expert_parallel import expert_parameters
 from ciuic_train.distributed.materialize import local_rows
+from ciuic_train.tools.memory_limits import peak_resident_bytes
 
 
 def param_bytes(model: nn.Module) -> dict[str, int]:
@@ -75,11 +76,4 @@ def peak_memory_bytes(device: torch.device) -> int:
     the CPU the resident set's high-water mark (VmHWM; 0 where /proc is not there)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return peak_resident_bytes()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from ciuic_train.checkpoint.resume import complete_checkpoints
+from ciuic_train.checkpoint.resume import rerun_from
 from ciuic_train.config import Config, Device, Strategy
 from ciuic_train.distributed.mesh import expected_world
 from ciuic_train.errors import RankFailed, UserError, first_line
@@ -308,9 +308,8 @@ class OutOfMemoryGuard:
 
     def _message(self, what: str, err: BaseException) -> str:
         cause = re.sub(r"^\[enforce fail at [^\]]*\] [^.]*\. ", "", first_line(err))
-        saved = complete_checkpoints(self.run_dir / "checkpoints")
-        kept = f"the last complete checkpoint {saved[-1]} is intact" if saved else "no checkpoint was saved yet"
-        resume = "" if self.config.resume == "auto" else " resume=auto"
+        saved, resume = rerun_from(self.run_dir, self.config.resume)
+        kept = f"the last complete checkpoint {saved} is intact" if saved else "no checkpoint was saved yet"
         return (
             f"out of memory on rank {self.rank} in {what} ({cause}); the plan puts a rank at "
             f"{format_bytes(self.total)} (estimated; {self.state} {format_bytes(self.exact)}); "

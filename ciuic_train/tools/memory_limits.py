@@ -70,6 +70,14 @@ def mapped_bytes(status: Path = Path("/proc/self/status")) -> int:
     return _kib_field(status.read_text(), "VmSize")
 
 
+def peak_resident_bytes(status: Path = Path("/proc/self/status")) -> int:
+    """The most resident memory this process has held (VmHWM); 0 where /proc is not there."""
+    try:
+        return _kib_field(status.read_text(), "VmHWM")
+    except (OSError, ValueError):
+        return 0
+
+
 def address_space_left(status: Path = Path("/proc/self/status")) -> int | None:
     """RLIMIT_AS's soft limit less what this process maps already; None without a limit."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)

@@ -44,8 +44,8 @@ from ciuic_train.checkpoint.checkpointer import Checkpointer
 from ciuic_train.checkpoint.hf_weights import load_hf_weights
 from ciuic_train.checkpoint.resume import (
     check_resumable,
-    complete_checkpoints,
     read_meta,
+    rerun_from,
     resolve_resume,
     run_fingerprint,
 )
@@ -274,9 +274,8 @@ class Trainer:
         what = f"step {step}: loss {check.loss:.4g}, grad norm {check.grad_norm:.4g} at lr {lr:.3g}"
         if self.config.train.on_nonfinite is OnNonFinite.skip:
             what += f", {self.watch.skipped_in_a_row} non-finite steps in a row (train.max_skipped_steps)"
-        saved = complete_checkpoints(self.run_dir / "checkpoints")
-        last_good = f"last good checkpoint {saved[-1]}" if saved else "no checkpoint was saved before it"
-        resume = "" if self.config.resume == "auto" else " resume=auto"
+        saved, resume = rerun_from(self.run_dir, self.config.resume)
+        last_good = f"last good checkpoint {saved}" if saved else "no checkpoint was saved before it"
         return (
             f"training diverged at {what}; that update was not applied; {last_good}; continue with a lower "
             f"learning rate: rerun with train.lr={self.config.train.lr / 10:g} hydra.run.dir={self.run_dir}{resume}"
