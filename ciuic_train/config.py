@@ -268,6 +268,10 @@ class Config:
     seed: int = 0
     device: Device = Device.auto
     precision: Precision = Precision.fp32
+    # fp32 matmuls on CUDA take TensorFloat-32 tensor cores (Ampere and later; inputs
+    # rounded to 10 mantissa bits, fp32 accumulation), several times IEEE fp32's rate.
+    # false: IEEE fp32. No effect on CPU, nor on bf16 autocast's matmuls.
+    tf32: bool = True
     progress: Progress = Progress.auto
     # torch.compile each transformer block (inductor; needs a C++ compiler on CPU).
     compile: bool = False

@@ -171,6 +171,33 @@ def test_grad_consistency_on_real_ranks_equals_an_independent_computation(tmp_pa
     assert found["max_grad_error"] < 1e-6
 
 
+@pytest.mark.slow
+def test_bf16_fsdp_and_ep_on_two_cpu_ranks_gathers_bf16_and_follows_fp32(tmp_path, text_corpus):
+    """The path a sharded bf16 GPU run takes, on gloo: FSDP2 gathers every block's
+    parameters (routed experts included, split over ep=2) in bf16 for the forward, keeps
+    fp32 weights for AdamW, and the losses follow the fp32 run's to bf16's precision
+    (tests/bf16_rank.py records the dtypes each block's forward sees)."""
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / f"{precision}.json"
+        result = torchrun(
+            "--nproc_per_node=2", str(Path(__file__).with_name("bf16_rank.py")), str(out), str(tmp_path / precision),
+            *TINY, *corpus_args(text_corpus, tmp_path), "dist.dp_shard=2", "dist.ep=2", f"precision={precision}",
+            "train.max_steps=8", "train.log_every=1", cwd=tmp_path,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[precision] = json.loads(out.read_text())
+    fp32, bf16 = runs["fp32"], runs["bf16"]
+    assert bf16["strategy"] == "fsdp" and bf16["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "ep": 2}
+    assert fp32["gathered"] == {"experts": ["torch.float32"], "other": ["torch.float32"]}
+    assert bf16["gathered"] == {"experts": ["torch.bfloat16"], "other": ["torch.bfloat16"]}
+    assert fp32["kept"] == bf16["kept"] == ["torch.float32"]
+    assert len(bf16["losses"]) == len(fp32["losses"]) == 8
+    assert bf16["losses"] != fp32["losses"]  # bf16 did compute in bf16
+    assert bf16["losses"] == pytest.approx(fp32["losses"], rel=1e-2)
+    assert bf16["val_loss"] == pytest.approx(fp32["val_loss"], rel=1e-2)
+
+
 @pytest.mark.parametrize("setting, message", [
     ("dist.strategy=fsdp", "train.log_grad_consistency needs replicas' whole gradients (DDP); "
                            "dist.strategy=fsdp shards them (dp_replicate=1 x dp_shard=2, ep=1)"),
@@ -220,7 +247,7 @@ def test_ddp_takes_its_bucket_size_from_the_config(tmp_path):
 
 
 def test_fsdp_bf16_keeps_the_rope_tables_fp32(tmp_path):
-    """The CUDA bf16 policy, applied on CPU to a 1-rank gloo group: the blocks receive the
+    """The bf16 policy on a 1-rank gloo group: the blocks receive the
     RoPE tables as they are (casting them to bf16 made `apply_rope` fail), train under
     autocast, and reduce fp32 gradients."""
     import torch
@@ -231,9 +258,9 @@ def test_fsdp_bf16_keeps_the_rope_tables_fp32(tmp_path):
     from ciuic_train.distributed.data_parallel import fsdp_precision
     from ciuic_train.model import ModelConfig, Transformer
 
-    policy = fsdp_precision(bf16=True, device=torch.device("cuda"))  # a policy object: no CUDA needed
+    policy = fsdp_precision(bf16=True)
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
-    assert fsdp_precision(bf16=True, device=torch.device("cpu")).param_dtype is None
+    assert fsdp_precision(bf16=False).param_dtype is None
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         torch.manual_seed(0)

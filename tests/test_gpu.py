@@ -341,6 +341,39 @@ def test_the_meta_build_materializes_on_the_gpu_without_a_host_copy(tmp_path, te
         assert torch.equal(p, q), f"{name}: the same seed drew other weights on CUDA"
 
 
+def test_fp32_on_cuda_takes_tf32_unless_told_not(tmp_path, text_corpus):
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    try:
+        for setting, expected in (("tf32=true", True), ("tf32=false", False)):
+            cuda_trainer(tmp_path / setting, text_corpus, "precision=fp32", setting, "sample.max_new_tokens=0")
+            assert matmul.allow_tf32 is expected, setting
+    finally:
+        matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("model", [["model.n_dense_layers=2"], ["model.kernels=auto"]], ids=["dense", "moe"])
+def test_a_bf16_step_that_logs_nothing_synchronizes_once(tmp_path, text_corpus, model):
+    """CUDA's own sync detector over one training step that logs nothing: the agreement on
+    the step's loss, norm and stop signal is the one wait for the GPU (the MoE's expert
+    counts and bf16 grouped matmul need none, on one rank: no dispatch split sizes)."""
+    trainer = cuda_trainer(tmp_path / "run", text_corpus, *model, "train.log_every=100", "sample.max_new_tokens=0")
+    trainer.train_step()  # first-step set-up (allocations, cuBLAS handles) is not the step
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            figures = trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:80]}" for w in caught
+             if "synchroniz" in str(w.message)]
+    print(f"{len(syncs)} synchronizing call(s) in one step:", *syncs, sep="\n  ")
+    assert figures["applied"] and math.isfinite(figures["loss"])
+    assert len(syncs) == 1, syncs
+
+
 # --- last: a backend that breaks the CUDA context cannot take the other tests with it ---------
 
 

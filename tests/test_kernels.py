@@ -6,6 +6,7 @@ too. Written-out formulas here are the independent oracle both paths are held to
 """
 
 from functools import partial
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -292,6 +293,22 @@ def test_chunked_loss_equals_cross_entropy_over_full_logits_forward_and_grads(mo
     for (name, p), q in zip(chunked.named_parameters(), full.parameters()):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_loss_chunk_is_cache_sized_on_cpu_and_compute_bound_on_a_gpu():
+    """CPU: 4 MiB of fp32 logits (8 tokens at DeepSeek-V3's 129,280 words); a GPU re-reads
+    the head weight per chunk, so it takes at least 1024 tokens, more up to 256 MiB."""
+    assert loss.loss_chunk_tokens(4096, "cpu") == 256
+    assert loss.loss_chunk_tokens(129_280, "cpu") == 8
+    assert loss.loss_chunk_tokens(129_280, "cuda") == 1024
+    assert loss.loss_chunk_tokens(32_768, "cuda") == 2048
+    assert loss.loss_chunk_tokens(512, "cuda") == 131_072
+    asked, chunks = [], []
+    choose, apply = loss.loss_chunk_tokens, loss.LinearCrossEntropy.apply
+    with mock.patch.object(loss, "loss_chunk_tokens", lambda *a: asked.append(a) or choose(*a)), \
+            mock.patch.object(loss.LinearCrossEntropy, "apply", lambda *a: chunks.append(a[-1]) or apply(*a)):
+        loss.linear_cross_entropy(torch.randn(6, 8), torch.randn(4096, 8), torch.randint(0, 4096, (6,)), "sum")
+    assert asked == [(4096, "cpu")] and chunks == [256]  # the hidden states' device decides
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

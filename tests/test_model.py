@@ -295,7 +295,7 @@ def test_balance_experts_steps_toward_balance_reports_the_imbalance_and_clears_c
     moe = model.layers[1].ffn
     moe.expert_bias.copy_(torch.tensor([0.5, 0.0, 0.0, 0.0]))
     moe.tokens_per_expert.copy_(torch.tensor([10.0, 0.0, 5.0, 5.0]))
-    assert model.balance_experts() == 2.0  # max 10 over mean 5
+    assert model.balance_experts().item() == 2.0  # max 10 over mean 5
     # Mean load is 5: expert 0 is overloaded, expert 1 underloaded, 2 and 3 exactly even.
     torch.testing.assert_close(moe.expert_bias, torch.tensor([0.49, 0.01, 0.0, 0.0]))
     assert moe.tokens_per_expert.sum() == 0
@@ -313,7 +313,7 @@ def test_balance_experts_uses_the_all_reduced_load():
     imbalance = model.balance_experts(all_reduce=all_reduce)
     # Global load [6, 10, 8, 8], mean 8: locally expert 1 looked underloaded, globally it is not.
     torch.testing.assert_close(moe.expert_bias, torch.tensor([0.01, -0.01, 0.0, 0.0]))
-    assert imbalance == pytest.approx(10 / 8)  # the global load's, not this rank's 6 / 4
+    assert imbalance.item() == pytest.approx(10 / 8)  # the global load's, not this rank's 6 / 4
 
 
 # DeepSeek's published sizes, in billions: (total, active). Our totals hit them almost
@@ -773,7 +773,7 @@ def test_balance_losses_change_the_gradient_not_the_returned_loss():
     balance = sum(term for moe in weighted.moe_layers().values() for term in moe.balance_loss.values())
     figures = weighted.loss_figures()
     assert set(figures) == {"aux_loss", "seq_aux_loss"}
-    assert sum(figures.values()) == pytest.approx(balance.item())
+    assert sum(figures.values()).item() == pytest.approx(balance.item())
     loss.backward()
     weighted_loss.backward(retain_graph=True)
     gate = next(iter(weighted.moe_layers().values())).gate.weight
@@ -821,7 +821,7 @@ def test_mtp_loss_and_its_gradient_equal_the_written_out_reference():
     weight = 0.3
     returned = model(inputs, targets, mtp_loss_weight=weight)
     reference_mtp = written_out_mtp_loss(model, inputs, targets)
-    assert model.loss_figures()["mtp_loss"] == pytest.approx(reference_mtp.item(), rel=1e-6)
+    assert model.loss_figures()["mtp_loss"].item() == pytest.approx(reference_mtp.item(), rel=1e-6)
     main = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     assert returned.item() == pytest.approx(main.item(), rel=1e-6)  # the value stays the next-token loss
 

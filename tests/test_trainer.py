@@ -245,6 +245,41 @@ class Reverse(Trick):
         return {"calls": self.calls}
 
 
+@pytest.mark.parametrize("overrides", [
+    ["model.n_dense_layers=2"],  # dense: nothing in the model needs a value on the host
+    ["train.grad_accum=2", "model.n_mtp_layers=1", "model.aux_loss_alpha=0.01"],  # side losses ride along
+])
+def test_a_step_that_logs_nothing_waits_for_the_device_once(tmp_path, text_corpus, monkeypatch, overrides):
+    """A GPU runs ahead of the host until something needs a value there: the step's one
+    agreement (apply, skip or stop; its loss and norm), not each micro-batch's loss, the
+    side losses, clipping or the expert balancing. Counts the package's own reads of a
+    tensor's value (item, tolist, float, int, bool) during a step; the MoE in the second
+    case reads its expert counts on CPU (the loop over experts), so only reads from the
+    training loop, the distributed helpers and the model's top level are counted."""
+    import sys
+    from pathlib import Path as P
+
+    import ciuic_train
+
+    trainer = tiny_trainer(tmp_path, text_corpus, "train.log_every=100", *overrides)
+    trainer.train_step()
+    watched = [P(ciuic_train.__file__).parent / sub for sub in ("train", "distributed", "model/transformer.py")]
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        def spy(self, *args, _original=getattr(torch.Tensor, name), _name=name):
+            caller = P(sys._getframe(1).f_code.co_filename)
+            if any(caller == w or w in caller.parents for w in watched):
+                reads.append(f"{caller.name}:{sys._getframe(1).f_lineno} {_name}")
+            return _original(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    figures = trainer.train_step()
+    monkeypatch.undo()
+    assert len(reads) == 1 and reads[0].startswith("loop.py:") and reads[0].endswith(" tolist"), reads
+    assert figures["applied"] and math.isfinite(figures["loss"]) and math.isfinite(figures["grad_norm"])
+    if "model.n_mtp_layers=1" in overrides:
+        assert {"mtp_loss", "aux_loss"} <= set(figures) and all(isinstance(figures[k], float) for k in ("mtp_loss", "aux_loss"))
+
+
 def test_a_seam_has_one_owner_and_conflicts_are_refused():
     tricks = TrickSet([ConstantLR(CTX), Reverse(CTX)], CTX)
     assert tricks.lr_at(5, lambda step: 1.0) == 0.0
@@ -336,3 +371,47 @@ def test_a_local_rank_without_a_gpu_of_its_own_is_one_line(monkeypatch):
             "run at most dist.nproc_per_node=1 ranks per node, or device=cpu"
         )
     assert resolve_device(Device.cpu, local_rank=1) == torch.device("cpu")
+
+
+def test_more_local_workers_than_gpus_is_refused_before_any_starts(monkeypatch, tmp_path):
+    """`ciuic-train dist.nproc_per_node=2` on a node with one GPU: one line from the
+    launcher, before a worker starts (CUDA pretended), for device=cuda and auto alike."""
+    from ciuic_train.cli.preflight import check_request
+    from ciuic_train.launch import paths as launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    base = ["model=tiny", "dist.nproc_per_node=2", "train.check_memory=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    for device in ("cuda", "auto"):
+        with pytest.raises(UserError) as refused:
+            check_request([*base, f"device={device}"], launch.ElasticLauncher())
+        assert str(refused.value) == (
+            "dist.nproc_per_node=2 ranks on CUDA, but this node shows 1 GPU(s) (CUDA_VISIBLE_DEVICES=0): "
+            "one rank per GPU; run at most dist.nproc_per_node=1, or device=cpu"
+        )
+    check_request([*base, "device=cpu"], launch.ElasticLauncher())  # gloo ranks share the CPU
+    check_request([*base[:1], "dist.nproc_per_node=1", "device=cuda", *base[2:]], launch.ElasticLauncher())
+    assert not (tmp_path / "run").exists()
+
+
+def test_tf32_is_the_cuda_default_for_fp32_and_a_key_turns_it_off(tmp_path, text_corpus):
+    """fp32 matmuls on CUDA use TF32 unless `tf32=false`; a CPU run leaves the flag alone.
+    (The flag is host state, so it is set and read here without a GPU; test_gpu runs it.)"""
+    from ciuic_train.train.trainer import use_tf32
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        assert compose_config().tf32 is True and compose_config("tf32=false").tf32 is False
+        tiny_trainer(tmp_path, text_corpus, "device=cpu")
+        assert matmul.allow_tf32 is False
+        use_tf32(torch.device("cuda", 0), True)
+        assert matmul.allow_tf32 is True
+        use_tf32(torch.device("cpu"), False)
+        assert matmul.allow_tf32 is True
+        use_tf32(torch.device("cuda", 0), False)
+        assert matmul.allow_tf32 is False
+    finally:
+        matmul.allow_tf32 = before

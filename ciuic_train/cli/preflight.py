@@ -79,9 +79,11 @@ def check_request(
                 f"sweep distributed jobs with {PROG} -m ... dist.nproc_per_node=N instead"
             )
         checked = [_check_job(job, config_only, check_mesh=launcher is None) for job in jobs]
-    if check_memory and not config_only and launcher is None:
+    if not config_only and launcher is None:
         for job in checked:
-            _check_memory(job.config, path)
+            _check_gpus(job.config, path)
+            if check_memory:
+                _check_memory(job.config, path)
     if launcher and any(job.config.dist.nproc_per_node > 1 for job in checked):
         raise UserError(
             f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
@@ -146,6 +148,25 @@ def _check_init_from(config: Config) -> None:
     from ciuic_train.checkpoint.hf_weights import check_init_from
 
     check_init_from(config.model, Path(config.init_from).expanduser())
+
+
+def _check_gpus(config: Config, path: launch.LaunchPath) -> None:
+    """Refuse to start more local workers on CUDA than the node has GPUs (a worker's own
+    check, in `resolve_device`, would leave the others waiting for it at the rendezvous)."""
+    from ciuic_train.tools.memory_check import run_device
+
+    workers = config.dist.nproc_per_node
+    if not (isinstance(path, launch.ElasticLauncher) and workers > 1) or run_device(config) != "cuda":
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if workers > count:
+        raise UserError(
+            f"dist.nproc_per_node={workers} ranks on CUDA, but this node shows {count} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one rank per GPU; "
+            f"run at most dist.nproc_per_node={count}, or device=cpu"
+        )
 
 
 def _check_memory(config: Config, path: launch.LaunchPath) -> None:

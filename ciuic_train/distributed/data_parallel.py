@@ -59,7 +59,7 @@ def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool) -> None:
     """
     from torch.distributed.fsdp import fully_shard
 
-    policy = fsdp_precision(bf16, mesh.device)
+    policy = fsdp_precision(bf16)
     dense = mesh.dense()
     placement = _expert_placement(model, mesh) if mesh.shape.ep > 1 else None
     for unit in [*model.layers, *model.mtp]:  # an MTP depth is gathered as a whole
@@ -67,19 +67,20 @@ def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool) -> None:
     fully_shard(model, mesh=dense, mp_policy=policy)
 
 
-def fsdp_precision(bf16: bool, device: torch.device):
-    """FSDP2's mixed precision: on CUDA with `precision=bf16`, parameters gathered (and
-    computed) in bf16, gradients reduced in fp32; elsewhere FSDP leaves dtypes alone.
+def fsdp_precision(bf16: bool):
+    """FSDP2's mixed precision: with `precision=bf16`, parameters gathered (and computed)
+    in bf16, gradients reduced in fp32; with fp32, FSDP leaves dtypes alone.
 
-    The blocks' inputs are not cast (`cast_forward_inputs=False`): a block takes the RoPE
-    tables beside the activations, and those must stay fp32 (`apply_rope` builds complex
-    numbers from them, which bf16 cannot be, and bf16 angles drift at long positions). The
-    activations need no cast either: the trainer runs bf16 under autocast, which casts
-    each matmul's inputs.
+    The same on every device, so the CPU suite runs the path a GPU run takes (gloo
+    gathers bf16 and reduces fp32 as NCCL does). The blocks' inputs are not cast
+    (`cast_forward_inputs=False`): a block takes the RoPE tables beside the activations,
+    and those must stay fp32 (`apply_rope` builds complex numbers from them, which bf16
+    cannot be, and bf16 angles drift at long positions). The activations need no cast
+    either: the trainer runs bf16 under autocast, which casts each matmul's inputs.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if bf16 and device.type == "cuda":
+    if bf16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     return MixedPrecisionPolicy()
 

@@ -58,15 +58,16 @@ def average_gradients_with_consistency(parameters: list[nn.Parameter], parallel:
     return parallel.mean(cosine.item())
 
 
-def full_value(tensor: torch.Tensor) -> float:
-    """A scalar as a float, gathering it first if it is a sharded (FSDP2) DTensor."""
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A scalar as a plain tensor, gathered first if it is a sharded (FSDP2) DTensor."""
     from torch.distributed.tensor import DTensor
 
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).item()
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> float:
-    """Scale the gradients so their global L2 norm is at most `max_norm`; returns the norm.
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so their global L2 norm is at most `max_norm`; returns the norm,
+    a 0-d tensor on the gradients' device (reading it is the caller's wait for the device).
 
     torch's `clip_grad_norm_` stacks the per-parameter norms, which fails when gradients
     are DTensors on different meshes (the experts under expert parallelism). Here each
@@ -94,4 +95,4 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> float:
     for members in [plain, *groups.values()]:
         if members:
             torch._foreach_mul_(members, scale)
-    return total.item()
+    return total

@@ -12,7 +12,7 @@
    trick's communication hook if one claims it), else FSDP2 (`fully_shard` per block,
    then the root; HSDP when `dp_replicate > 1`). Under FSDP2 the routed experts are
    sharded over the ranks that hold the same experts, everything else over all shard
-   ranks. On CUDA with `precision=bf16`, FSDP2 gathers parameters in bf16 and reduces
+   ranks. With `precision=bf16`, FSDP2 gathers parameters in bf16 and reduces
    gradients in fp32;
 5. materialization (ciuic_train/distributed/materialize.py): each rank allocates the
    parameters it holds on the device and `init` fills them, by rows, the same values for

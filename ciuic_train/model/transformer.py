@@ -174,19 +174,17 @@ class Transformer(nn.Module):
             losses.append(self.kernels.loss(normed.flatten(0, 1), self.lm_head.weight, targets[:, k:].flatten(), reduction))
         return torch.stack(losses).mean()
 
-    def loss_figures(self) -> dict[str, float]:
+    def loss_figures(self) -> dict[str, torch.Tensor]:
         """The last training forward's side losses: the weighted balance losses summed over MoE
-        layers (`aux_loss`, `seq_aux_loss`) and the mean MTP loss (`mtp_loss`), where on."""
+        layers (`aux_loss`, `seq_aux_loss`) and the mean MTP loss (`mtp_loss`), where on; 0-d
+        tensors, left on the device for the step's one sync."""
         terms: dict[str, list[torch.Tensor]] = {}
         for moe in self.moe_layers().values():
             for name, value in moe.balance_loss.items():
                 terms.setdefault(name, []).append(value.detach())
         if self.mtp_loss is not None:
             terms["mtp_loss"] = [self.mtp_loss.detach()]
-        if not terms:
-            return {}
-        totals = torch.stack([torch.stack(values).sum() for values in terms.values()]).tolist()  # one sync
-        return dict(zip(terms, totals))
+        return {name: torch.stack(values).sum() for name, values in terms.items()}
 
     def trunk(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> the last block's hidden states [B, T, dim] (before the final norm)."""
@@ -215,22 +213,23 @@ class Transformer(nn.Module):
         return [depth.block.ffn for depth in self.mtp if isinstance(depth.block.ffn, MoE)]
 
     @torch.no_grad()
-    def balance_experts(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> float:
+    def balance_experts(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> torch.Tensor:
         """One auxiliary-loss-free balancing step from the tokens counted since the last call.
 
         Call after each optimizer step. `all_reduce`, if given, must sum a tensor in place
         across ranks (e.g. `torch.distributed.all_reduce`), so every rank sees the global
         load and makes the same bias update; all layers' counts go through it as one
         tensor. Returns the worst layer's load imbalance, max over mean tokens per expert
-        (1.0 is perfect balance; n_routed_experts / n_activated_experts is total collapse).
+        (1.0 is perfect balance; n_routed_experts / n_activated_experts is total collapse),
+        as a 0-d tensor on the counts' device: reading it waits for the device.
         """
         moes = list(self.moe_layers().values())
         if not moes:
-            return 1.0
+            return torch.ones((), device=self.lm_head.weight.device)
         loads = torch.stack([moe.tokens_per_expert for moe in moes])  # [MoE layers, E]
         if all_reduce is not None:
             all_reduce(loads)
-        imbalance = (loads.amax(dim=1) / loads.mean(dim=1).clamp_min(1)).max().item()
+        imbalance = (loads.amax(dim=1) / loads.mean(dim=1).clamp_min(1)).max()
         for moe, load in zip(moes, loads):
             moe.update_bias(load)
             moe.tokens_per_expert.zero_()

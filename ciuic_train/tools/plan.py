@@ -53,8 +53,8 @@ FSDP's all-gathers (see `_units`)
 FSDP2 wraps each block (`fully_shard(block)`) and each MTP depth, then the root
 (embedding, final norm, lm head). A unit's gather returns, per parameter, n * ceil(d0 / n) * rest elements (dense,
 over dp_shard) or efsdp * ceil((E / ep) / efsdp) * rest (experts: only this rank's E / ep
-experts, gathered over efsdp), in g bytes: g = 2 (bf16) when precision=bf16 on a CUDA
-device (device=cuda or auto; FSDP2's MixedPrecisionPolicy), else 4.
+experts, gathered over efsdp), in g bytes: g = 2 (bf16) when precision=bf16 (FSDP2's
+MixedPrecisionPolicy, on every device), else 4.
 
 - largest block all-gather: max over blocks of the gathered bytes;
 - root all-gather: held from the first forward to the end of backward (FSDP2 does not

@@ -5,8 +5,9 @@ docstring; `Widths` gives the bytes per element the run's precision, device and 
 imply, which the FSDP gathers of `plan.py` use too.
 
 Per micro-batch, the tensors autograd saves for backward, widths r (residual stream),
-a (matmul operands and outputs) and 4 (fp32 extras): fp32: r = a = 4; bf16 under FSDP2
-on CUDA: r = a = 2 (FSDP casts each block's input to bf16 and gathers bf16 weights);
+a (matmul operands and outputs) and 4 (fp32 extras): fp32: r = a = 4; bf16 under FSDP2:
+r = a = 2 (FSDP gathers bf16 weights, so the embedding's output, and with it the
+residual stream, is bf16);
 bf16 otherwise (autocast alone): r = 4, a = 2, and each linear layer that reads a norm's
 fp32 output saves its own bf16 copy ("copies" below: 2 for attention, 2 for the dense
 FFN, 1 + 2 * [shared experts] for the MoE), where otherwise one copy serves them all,
@@ -75,7 +76,7 @@ class Widths:
     def of(config: Config, mesh: MeshShape) -> Widths:
         cuda = config.device is not Device.cpu
         bf16 = config.precision is Precision.bf16
-        fsdp_bf16 = bf16 and cuda and mesh.strategy in ("fsdp", "hsdp")
+        fsdp_bf16 = bf16 and mesh.strategy in ("fsdp", "hsdp")
         if not bf16:
             return Widths(4, 4, 4, False, cuda)
         if fsdp_bf16:

@@ -16,8 +16,7 @@ Fake tensors hold no values, so what depends on values is assumed (`prepare_rank
   (`ExpertDispatch.split_sizes` gets `_uniform_split_sizes`), as `--plan` assumes; the
   output says so. The loop over experts (fp32 on CUDA) splits its rows evenly too.
 - the device: the tensors are CPU tensors. A rank on CUDA (`device=cuda`, or `auto` as
-  `--plan` reads it) runs what CUDA would where the package asks: FSDP2's bf16 policy
-  under `precision=bf16`, fused SDPA for attention, the unpadded grouped matmul in bf16
+  `--plan` reads it) runs what CUDA would where the package asks: fused SDPA for attention, the unpadded grouped matmul in bf16
   and the loop over experts otherwise (`_cuda_routed_experts`). Autocast is the CPU's,
   whose casts the model's matmuls share; the CUDA allocator's 512-byte rounding is left out.
 - `compile=true` is not simulated: the blocks run eagerly (--plan does not model it either).
@@ -76,7 +75,7 @@ def simulate(config: Config) -> Measured:
         # instead of an error; nothing of the step branches on those values.
         fake = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         with _meshes_find_their_ranks(), _dtensor_shapes_apart():
-            model, wrapped = build_rank(config, mesh, fake=_fake_tensors(fake), cuda=cuda)
+            model, wrapped = build_rank(config, mesh, fake=_fake_tensors(fake))
             with _fake_tensors(fake):
                 uniform = prepare_rank(model, cuda)
                 measured = measure_step(config, model, wrapped, mesh.strategy)
@@ -199,28 +198,20 @@ def build_rank(
     mesh: Mesh,
     init: Callable[[nn.Module], None] | None = None,
     fake: contextlib.AbstractContextManager | None = None,
-    cuda: bool = False,
 ) -> tuple[nn.Module, nn.Module]:
     """The model as the trainer builds it on this rank: on meta, then `parallelize`, which
     materializes this rank's shards on `mesh.device` and lets `init` fill them. Returns
     (model, what the step calls).
 
     `fake`: the FakeTensorMode (and what goes with it) to materialize and wrap the model
-    in, for a simulation; `cuda`: answer CUDA where FSDP2 asks which device its mixed
-    precision is for.
+    in, for a simulation.
     """
-    from ciuic_train.distributed import data_parallel
     from ciuic_train.distributed.parallelize import parallelize
     from ciuic_train.model import Transformer
 
     with torch.device("meta"):  # outside FakeTensorMode, which would keep meta tensors it wraps
         model = Transformer(config.model)
-    policy = data_parallel.fsdp_precision
-
-    def cuda_policy(bf16: bool, device: torch.device):
-        return policy(bf16, torch.device("cuda"))
-
-    with fake or nullcontext(), mock.patch.object(data_parallel, "fsdp_precision", cuda_policy) if cuda else nullcontext():
+    with fake or nullcontext():
         if fake is not None:
             # Fake tensors in place of the meta ones before `parallelize`, whose own
             # `to_empty` would go through FakeTensorMode's wrapping of the meta tensors,

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import resource
 import signal
@@ -24,6 +23,8 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
+
+import torch
 
 from ciuic_train.config import CheckpointConfig, FaultConfig, OnNonFinite, TrainConfig
 from ciuic_train.files import format_bytes
@@ -178,13 +179,17 @@ class LossWatch:
         self.loss_spikes = 0
 
     def agree(
-        self, parallel, loss: float, grad_norm: float, stop_votes: list[float], side_losses: dict[str, float] | None = None
+        self, parallel, loss: torch.Tensor, grad_norm: torch.Tensor, stop_votes: list[float],
+        side_losses: dict[str, torch.Tensor] | None = None,
     ) -> StepCheck:
-        """`side_losses` (the model's `loss_figures`, the same names on every rank) ride along,
-        averaged over ranks like the loss."""
+        """`loss` and `grad_norm` are this rank's, 0-d tensors on its device; `side_losses`
+        (the model's `loss_figures`, the same names on every rank) ride along, averaged over
+        ranks like the loss. They leave the device here, together: the step's one host sync."""
         side_losses = side_losses or {}
-        bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        totals = parallel.sum([loss, grad_norm, float(bad), *side_losses.values(), *stop_votes])
+        figures = torch.stack([loss, grad_norm, *side_losses.values()]).double()
+        bad = (~torch.isfinite(figures[:2]).all()).double().unsqueeze(0)
+        votes = torch.tensor(stop_votes, dtype=torch.float64).to(figures.device)
+        totals = parallel.all_reduce_sum_(torch.cat([figures[:2], bad, figures[2:], votes])).tolist()
         world = parallel.world_size
         side = dict(zip(side_losses, (total / world for total in totals[3 : 3 + len(side_losses)])))
         votes = totals[3 + len(side_losses) :]

@@ -98,6 +98,13 @@ def resolve_device(choice: Device, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def use_tf32(device: torch.device, enabled: bool) -> None:
+    """fp32 matmuls on a CUDA `device` in TensorFloat-32 or IEEE fp32 (the `tf32` key);
+    nothing elsewhere. The flag is the process's, the one torch reads for every matmul."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+
+
 class Trainer:
     """Builds everything a run needs from the config, then `fit()` trains it.
 
@@ -111,6 +118,7 @@ class Trainer:
         self.run_dir = run_dir
         self.parallel = parallel or Parallel(config.dist, resolve_device(config.device), config.model.n_routed_experts)
         self.device = self.parallel.device
+        use_tf32(self.device, config.tf32)
         train = config.train
         rank, world = self.parallel.info.rank, self.parallel.world_size
 
@@ -223,6 +231,10 @@ class Trainer:
         """One optimizer step over `grad_accum` micro-batches; returns its figures, the
         loss as the mean over ranks, and the stop signal the ranks agreed on (`stop`).
 
+        The step waits for the device once, to agree with the other ranks on whether to
+        apply the update (and with the figures it logs); `moe_imbalance` is left a 0-d
+        tensor for the steps that log it.
+
         Raises RunFailed when a non-finite step ends the run (`train.on_nonfinite`).
         """
         train = self.config.train
@@ -230,7 +242,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        loss_sum, side_sums = 0.0, {}
+        # The step's figures stay on the device until the one host sync of the step, the
+        # ranks' agreement (`LossWatch.agree`): a GPU runs ahead of the host meanwhile.
+        loss_sum, side_sums = torch.zeros((), dtype=torch.float64, device=self.device), {}
         weights = self.tricks.micro_batch_weights(self.step, train.grad_accum)
         # On a step that logs it, the gradients are averaged by hand after backward, next to each rank's own.
         measure_consistency = train.log_grad_consistency and self.cadence.logs(self.step + 1, False, False)
@@ -241,9 +255,9 @@ class Trainer:
                 loss = self.tricks.transform_loss(self._loss(inputs, targets), self.step)
                 loss = poison_loss(self.config.fault, self.parallel.info.rank, self.step + 1, loss)
                 (loss * weight).backward()
-            loss_sum += loss.item() * weight
+            loss_sum += loss.detach().double() * weight
             for name, value in self.model.loss_figures().items():  # MTP and balance losses, where on
-                side_sums[name] = side_sums.get(name, 0.0) + value * weight
+                side_sums[name] = side_sums.get(name, 0.0) + value.double() * weight
         figures = {}
         if measure_consistency:
             figures["grad_consistency"] = average_gradients_with_consistency(list(self.model.parameters()), self.parallel)
@@ -257,6 +271,7 @@ class Trainer:
         verdict = self.watch.judge(self.step + 1, check)
         if verdict == "apply":
             self.optimizer.step()
+            # A 0-d tensor, read only when a line is logged (`_record`).
             moe_imbalance = self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)
         else:
             self.model.forget_expert_counts()
@@ -376,7 +391,7 @@ class Trainer:
             "loss": sum(losses_since_log) / len(losses_since_log) if losses_since_log else float("nan"),
             "lr": figures["lr"],
             "grad_norm": figures["grad_norm"],
-            "moe_imbalance": figures["moe_imbalance"],
+            "moe_imbalance": float(figures["moe_imbalance"]),
             **{key: figures[key] for key in ("mtp_loss", "aux_loss", "seq_aux_loss") if key in figures},
             **({"grad_consistency": figures["grad_consistency"]} if "grad_consistency" in figures else {}),
             "tokens_per_s": throughput.window_rate(),

@@ -7,19 +7,31 @@ import torch
 from ciuic_train.model.common import IGNORE_INDEX, compute_dtype
 from ciuic_train.model.kernels.softmax import softmax_fp32
 
-# Most bytes of fp32 logits per chunk: so many tokens' logits exist at once, and none are
-# kept for backward. 4 MiB (256 tokens at vocab 4096) measured fastest at model=bench.
+# Most bytes of fp32 logits per chunk on CPU: so many tokens' logits exist at once, and
+# none are kept for backward. 4 MiB (256 tokens at vocab 4096) measured fastest at
+# model=bench: the chunk's logits stay in cache while the softmax walks them.
 LOSS_CHUNK_BYTES = 4 * 2**20
+# On a GPU each chunk re-reads the whole head weight, so a chunk of a few tokens (4 MiB is
+# 8 at DeepSeek-V3's vocabulary) leaves the matmul starved for data; from about a
+# thousand tokens it is compute-bound. Up to 256 MiB of logits, at least 1024 tokens
+# (V3: 1024 tokens, 0.5 GB of logits): reasoned from the H200's FLOPs per byte, not yet
+# measured on one.
+GPU_LOSS_CHUNK_BYTES = 256 * 2**20
+GPU_LOSS_CHUNK_MIN_TOKENS = 1024
 
 
-def loss_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per loss chunk: as many as keep its fp32 logits within `LOSS_CHUNK_BYTES`."""
-    return max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+def loss_chunk_tokens(vocab_size: int, device_type: str = "cpu") -> int:
+    """Tokens per loss chunk on `device_type`: as many as keep its fp32 logits within
+    `LOSS_CHUNK_BYTES` on CPU; within `GPU_LOSS_CHUNK_BYTES`, but no fewer than
+    `GPU_LOSS_CHUNK_MIN_TOKENS`, elsewhere."""
+    if device_type == "cpu":
+        return max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+    return max(GPU_LOSS_CHUNK_MIN_TOKENS, GPU_LOSS_CHUNK_BYTES // (4 * vocab_size))
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
     """`model.transformer.lm_cross_entropy` without ever building the whole logits tensor."""
-    total = LinearCrossEntropy.apply(h, weight, targets, loss_chunk_tokens(len(weight)))
+    total = LinearCrossEntropy.apply(h, weight, targets, loss_chunk_tokens(len(weight), h.device.type))
     return total / (targets != IGNORE_INDEX).sum() if reduction == "mean" else total
 
 
