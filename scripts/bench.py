@@ -8,7 +8,7 @@ process, so machine noise lands on both sides and their ratio is the trainer's o
     python scripts/bench.py [--model small] [--steps 20] [--rounds 3] [--batch-size 8]
                             [--seq-len 256] [--precision fp32|bf16] [--json OUT]
                             [--device cpu|cuda] [--override KEY=VALUE ...]
-                            [--mtp-depths N]
+                            [--mtp-depths N] [--datasheet-tflops 989]
 
 `--mtp-depths N` adds a side-by-side comparison of the bare loop without multi-token
 prediction and with N MTP depths (`model.n_mtp_layers`), in alternating rounds, with the
@@ -193,6 +193,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--datasheet-tflops", type=float, default=0.0,
+                        help="also give MFU against this datasheet peak, e.g. 989 (H100/H200 SXM dense bf16)")
     parser.add_argument("--mtp-depths", type=int, default=0,
                         help="also time the bare loop with this many MTP depths against none, side by side")
     parser.add_argument(
@@ -253,6 +255,10 @@ def main() -> None:
         "trainer_bare_ratio": trainer_median / bare_median,
         "rounds": rounds,
     }
+    if args.datasheet_tflops:
+        results["datasheet_tflops"] = args.datasheet_tflops
+        results["datasheet_mfu"] = bare_median * flops / (args.datasheet_tflops * 1e12)
+        results["trainer_datasheet_mfu"] = trainer_median * flops / (args.datasheet_tflops * 1e12)
 
     summary = Table(title="ciuic_train bench", show_header=False)
     summary.add_row("torch / threads", f"{results['torch']} / {results['threads']}")
@@ -274,6 +280,9 @@ def main() -> None:
     summary.add_row("trainer tokens/s (median)", f"{trainer_median:,.0f}")
     summary.add_row("trainer MFU", f"{results['trainer_mfu']:.1%}")
     summary.add_row("trainer / bare", f"{results['trainer_bare_ratio']:.3f}")
+    if args.datasheet_tflops:
+        summary.add_row(f"MFU vs datasheet {args.datasheet_tflops:g} TFLOP/s",
+                        f"bare {results['datasheet_mfu']:.1%}, trainer {results['trainer_datasheet_mfu']:.1%}")
 
     per_round = Table(title="rounds (trainer, then bare loop)")
     for column in ("round", "trainer tok/s", "bare tok/s", "trainer / bare"):
@@ -291,6 +300,18 @@ def main() -> None:
         console.print(mtp_table(results["mtp"], peak_flops))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    print(summary_line(results))
+
+
+def summary_line(results: dict) -> str:
+    """The run in one plain line (scripts/gpu_check.sh shows it as its bench stage's)."""
+    datasheet = (f"; vs datasheet {results['datasheet_tflops']:g} TFLOP/s: bare {results['datasheet_mfu']:.1%}, "
+                 f"trainer {results['trainer_datasheet_mfu']:.1%}") if "datasheet_mfu" in results else ""
+    return (f"summary: {results['gpu'] or results['cpu']}, model={results['model']} {results['precision']} "
+            f"B={results['batch_size']} S={results['seq_len']}: bare {results['tokens_per_s']:,.0f} tok/s, "
+            f"trainer {results['trainer_tokens_per_s']:,.0f} tok/s (x{results['trainer_bare_ratio']:.3f}); "
+            f"MFU vs measured {results['peak_gflops'] / 1e3:,.1f} TFLOP/s: bare {results['mfu']:.1%}, "
+            f"trainer {results['trainer_mfu']:.1%}{datasheet}")
 
 
 if __name__ == "__main__":

@@ -1,44 +1,42 @@
 #!/usr/bin/env bash
-# One-command GPU check: the CUDA tests (tests/test_gpu.py) and a ~1B-parameter bf16
-# benchmark (scripts/bench.py), sized for about 8 minutes on one H200.
+# The CUDA checks in one command, sized for about 7.5 minutes on one H200.
 #
-#   bash scripts/gpu_check.sh              # on the GPU machine, from anywhere in the repo
-#   bash scripts/gpu_check.sh --cpu-only   # no GPU: check the plumbing on a tiny CPU config
+#   bash scripts/gpu_check.sh --build-wheels   # here first (pip works here): .whl/, see "Installing"
+#   OUT=$OUT bash scripts/gpu_check.sh         # on the GPU machine (device tool: carry [".whl"], timeout_s 540)
+#   bash scripts/gpu_check.sh --dry-run        # on CPU: every stage's set-up and command, without CUDA
 #
-# Options: --cpu-only (accept a CPU torch; tiny fp32 bench), --no-install (never run pip),
-# --budget SECONDS (the whole run's, default 450).
-# Environment: OUT (outputs go to ${OUT:-gpu_check_out}/), PYTHON (interpreter to try
-# first), PEAK_TFLOPS (datasheet dense bf16 peak for MFU, default 989 = H200 SXM),
-# BENCH_STEPS / BENCH_ROUNDS / BENCH_BATCH / BENCH_SEQ (default 10 / 2 / 8 / 1024),
-# GPU_CHECK_OFFLINE=1 (skip the package-index probe and every download).
+# Options: --budget SECONDS (the whole run's; default 450, 900 for --dry-run). Environment:
+# OUT (outputs go to ${OUT:-gpu_check_out}/), PYTHON (the interpreter with torch; default
+# python3), PEAK_TFLOPS (datasheet dense bf16 peak for MFU, default 989 = H100/H200 SXM).
 #
-# Stages (each under `timeout`, clipped to what is left of the budget; a failing stage
-# does not stop the next): env (nvidia-smi, GPU seen), python (find an interpreter with
-# CUDA torch and ciuic_train, else install: see below), torch (versions, CUDA, device
-# capability, SDPA flags), tests (pytest tests/test_gpu.py -m gpu -v -rA; among them the
-# meta build straight onto the GPU, no host copy), params (the ~1B config's parameter
-# count, on meta), matmul (measured bf16/fp32 peak), bare (bare-loop
-# tokens/s and MFU), bench (scripts/bench.py: trainer and bare loop, 2 rounds). Output:
-# OUT/gpu_check.log (everything), OUT/summary.txt (verdicts and figures), test_gpu.xml,
-# params.json, matmul.json, bench.json, nvidia-smi.txt. Exit status: 0 every stage
-# passed, 1 some stage failed or timed out, 2 no usable GPU or interpreter.
+# Stages, each under `timeout` with its own cap, clipped to what is left of the budget (the
+# caps add up to less than it); a failing stage does not stop the next. Each prints one
+# summary line, and OUT/summary.txt holds them all:
+#   standin    (--dry-run only) the GPU image's interpreter played by a fresh venv holding
+#              what that image has (torch 2.13.0, numpy, rich, safetensors, PyYAML,
+#              packaging, pytest) and not what it lacks (hydra-core, omegaconf, antlr4)
+#   env        the GPU (nvidia-smi), the interpreter, its torch and what it sees
+#   install    the carried wheels into a folder on PYTHONPATH (no index, no dependencies,
+#              no editable install), after checking the project's wheel was built from
+#              this very tree (.whl/SOURCE)
+#   tests      pytest tests/test_gpu.py -m gpu, all but the meta build
+#   meta_build a 1.6 GB model built on meta and materialized straight onto the GPU
+#   ranks      `torchrun --nproc_per_node=1` on NCCL; and `dist.nproc_per_node=2` on one
+#              GPU refused in one line before a worker starts (NCCL takes one rank per
+#              GPU; with two GPUs, it trains). --dry-run: two gloo ranks on CPU
+#   bench      scripts/bench.py at ~1 B parameters in bf16, trainer and bare loop, MFU
+#              against the measured matmul peak and against PEAK_TFLOPS. --dry-run: tiny, fp32
+# Outputs in OUT: summary.txt, gpu_check.log (everything), nvidia-smi.txt, test_gpu.xml,
+# bench.json. Exit status: 0 every stage passed, 1 one failed or ran out of time, 2 no
+# interpreter with torch.
 #
-# Installing: interpreters tried in order are $PYTHON, .venv, .venv-gpu, python3, python.
-# If none has CUDA torch and an importable ciuic_train: wheels in .whl/ (if any) go to a
-# folder on PYTHONPATH; then, with a package index reachable, `pip install torch==2.13.0
-# -e '.[test,bench]'` in a new venv (or `-e '.[test,bench]'` into a venv that already has
-# CUDA torch; then CUDA wheel indexes if plain pip gave a CPU torch); offline, only
-# `pip install --no-index --no-deps --no-build-isolation -e .`. Each step is printed.
-#
-# This workplace's GPU machine has no network, and its python3 (/opt/torch/.venv, torch
-# 2.11 with CUDA 13) lacks hydra-core, omegaconf and antlr4-python3-runtime. Carry them:
-# here, with network, in the repo root (antlr4 4.9.3 is a source release, hence the build):
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux2014_x86_64 -d .whl hydra-core==1.3.8 omegaconf==2.3.1
-#   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
-# then run with `.whl` in the device tool's carry list:
-#   OUT=$OUT bash scripts/gpu_check.sh     (timeout_s 540: the budget plus start-up)
+# Installing: the GPU machine has no network, and its python3 (torch 2.11 with CUDA 13, and
+# most of what the project needs) lacks hydra-core, omegaconf and antlr4-python3-runtime.
+# `--build-wheels` puts in .whl/ (git-ignored) this tree's project wheel and those three,
+# at the versions installed here, with .whl/SOURCE naming the tree they were built from;
+# rebuild after every change (the GPU run refuses a stale wheel). --dry-run builds them
+# itself when they are missing or stale. BUILD_PYTHON: the interpreter that builds them
+# (default .venv/bin/python, else python3).
 set -euo pipefail
 if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then
     sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d'
@@ -47,486 +45,282 @@ fi
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
-OUT_DIR=${OUT:-gpu_check_out}
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
+WHEELS=$REPO/.whl
+# The three the GPU image lacks, by distribution name.
+CARRIED=(hydra-core omegaconf antlr4-python3-runtime)
 
-# Everything this script prints also goes to OUT/gpu_check.log.
-if [[ -z "${GPU_CHECK_LOGGED:-}" ]]; then
-    export GPU_CHECK_LOGGED=1
+# What the project's wheel is built from: its sources, configs and packaging.
+tree_hash() {
+    find ciuic_train conf hydra_plugins pyproject.toml -type f \
+        \( -name '*.py' -o -name '*.yaml' -o -name '*.md' -o -name '*.toml' \) -not -path '*/__pycache__/*' |
+        LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
+}
+
+build_wheels() {
+    local py=${BUILD_PYTHON:-}
+    if [[ -z $py ]]; then
+        if [[ -x $REPO/.venv/bin/python ]]; then py=$REPO/.venv/bin/python; else py=python3; fi
+    fi
+    mkdir -p "$WHEELS"
+    rm -f "$WHEELS"/*.whl "$WHEELS/SOURCE"
+    local pins=()
+    for name in "${CARRIED[@]}"; do # the versions this machine's tests ran with
+        pins+=("$name==$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")")
+    done
+    echo "+ pip wheel --no-deps ${pins[*]} and this tree (with $py)"
+    "$py" -m pip wheel -q --no-deps -w "$WHEELS" "${pins[@]}" 2>&1 | grep -v '^WARNING: Location' || true
+    "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" "$REPO" 2>&1 | grep -v '^WARNING: Location' || true
+    tree_hash >"$WHEELS/SOURCE"
+    ls "$WHEELS"
+    local count
+    count=$(find "$WHEELS" -type f -name '*.whl' | wc -l)
+    if ((count != ${#CARRIED[@]} + 1)); then
+        echo "gpu_check.sh: expected $((${#CARRIED[@]} + 1)) wheels in $WHEELS, found $count"
+        return 1
+    fi
+    echo "wheels for tree $(cat "$WHEELS/SOURCE") in $WHEELS ($(du -sh "$WHEELS" | cut -f1)): carry .whl"
+}
+
+# run_stage NAME CAP FUNCTION: FUNCTION under `timeout` (clipped to the budget left), its
+# output to the terminal and WORK/NAME.log; its summary line is what it writes to
+# WORK/NAME.line. Verdicts: PASS, FAIL (exit N), TIMEOUT, SKIPPED.
+run_stage() {
+    local name=$1 cap=$2 fn=$3
+    local left=$((DEADLINE - $(date +%s) - 5))
+    local limit=$((cap < left ? cap : left))
+    STAGES+=("$name")
+    printf '\n======== %s ======== (cap %ss, %ss of the budget left)\n' "$name" "$cap" "$left"
+    if ((limit < 10)); then
+        VERDICT[$name]=SKIPPED TOOK[$name]=0
+        echo "budget spent" >"$WORK/$name.line"
+        return 0
+    fi
+    local t0 rc
+    t0=$(date +%s)
     set +o pipefail
-    bash "${BASH_SOURCE[0]}" "$@" 2>&1 | tee "$OUT_DIR/gpu_check.log"
-    exit "${PIPESTATUS[0]}"
+    GPU_CHECK_STAGE=$fn timeout --kill-after=10 "$limit" bash "${BASH_SOURCE[0]}" 2>&1 | tee "$WORK/$name.log"
+    rc=${PIPESTATUS[0]}
+    set -o pipefail
+    TOOK[$name]=$(($(date +%s) - t0))
+    case $rc in
+        0) VERDICT[$name]=PASS ;;
+        124 | 137) VERDICT[$name]="TIMEOUT"; echo "ran out of its ${limit}s" >>"$WORK/$name.line" ;;
+        *) VERDICT[$name]="FAIL($rc)" ;;
+    esac
+    echo "[$name] ${VERDICT[$name]} in ${TOOK[$name]}s: $(line_of "$name")"
+}
+
+line_of() { awk 'NR > 1 {printf "; "} {printf "%s", $0}' "$WORK/$1.line" 2>/dev/null || true; }
+say() { echo "$*" >>"$WORK/$STAGE.line"; } # a stage's summary line (the stage function runs in a child)
+
+# --- the stages: each runs as `GPU_CHECK_STAGE=name bash gpu_check.sh` (so `timeout` can stop it) ---
+
+stage_standin() {
+    local venv=$WORK/standin
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q torch==2.13.0 numpy rich safetensors pyyaml packaging pytest 2>&1 |
+        grep -v '^WARNING: Location' || true
+    "$venv/bin/python" -c 'import torch, numpy, rich, safetensors, yaml, pytest' || { say "the stand-in venv lacks a package"; return 1; }
+    if "$venv/bin/python" -c 'import hydra' 2>/dev/null; then say "the stand-in has hydra: it proves nothing"; return 1; fi
+    say "a fresh venv with torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') and the image's packages, without hydra-core/omegaconf/antlr4"
+}
+
+stage_env() {
+    local gpu=none
+    if command -v nvidia-smi >/dev/null; then
+        timeout 20 nvidia-smi 2>&1 | tee "$OUT_DIR/nvidia-smi.txt" || true
+        gpu=$(timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null |
+            head -1 || echo "nvidia-smi failed")
+    fi
+    local seen
+    seen=$("$PY" -c 'import sys, torch
+cuda = torch.cuda.is_available()
+name = torch.cuda.get_device_name() + f" (sm{torch.cuda.get_device_capability()[0]}{torch.cuda.get_device_capability()[1]})" if cuda else "no CUDA device"
+print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__version__} (CUDA build {torch.version.cuda}): {torch.cuda.device_count()} device(s), {name}")') ||
+        { say "no torch in $PY (PYTHON names another interpreter)"; return 2; }
+    echo "$seen"
+    say "GPU: $gpu; $seen"
+    if [[ $DRY_RUN == 0 ]] && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+        say "(torch sees no CUDA device: use --dry-run on a machine without a GPU)"
+        return 1
+    fi
+}
+
+stage_install() {
+    if [[ $DRY_RUN == 1 && ("$(cat "$WHEELS/SOURCE" 2>/dev/null)" != "$(tree_hash)") ]]; then
+        echo "dry run: the wheels are missing or stale here, building them"
+        build_wheels
+    fi
+    local want have
+    want=$(tree_hash)
+    have=$(cat "$WHEELS/SOURCE" 2>/dev/null || echo none)
+    if [[ $have != "$want" ]]; then
+        say ".whl was built from tree $have, this is tree $want: run bash scripts/gpu_check.sh --build-wheels here and carry .whl"
+        return 1
+    fi
+    local wheels=("$WHEELS"/*.whl)
+    echo "+ $PY -m pip install --no-index --no-deps --target $SITE .whl/*.whl"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+    (cd "$WORK" && "$PY" -c 'import importlib.metadata as m, pathlib, ciuic_train, ciuic_train.conf, ciuic_train.train.trainer
+where = pathlib.Path(ciuic_train.__file__).parent
+print(", ".join(f"{n} {m.version(n)}" for n in ("ciuic-train", "hydra-core", "omegaconf", "antlr4-python3-runtime")) + f"; ciuic_train from {where}")') >"$WORK/imported" ||
+        { say "installed, but ciuic_train does not import (see the log)"; return 1; }
+    cat "$WORK/imported"
+    if ! grep -q "ciuic_train from $SITE" "$WORK/imported"; then say "ciuic_train came from elsewhere: $(cat "$WORK/imported")"; return 1; fi
+    say "${#wheels[@]} wheels of tree $want: $(sed 's/; ciuic_train from.*//' "$WORK/imported")"
+}
+
+pytest_line() { grep -E '^=+ .*(passed|failed|error|skipped|deselected).* =+$' "$1" | tail -1 | tr -d '=' | xargs || true; }
+
+stage_tests() {
+    local rc=0
+    (cd "$WORK" && "$PY" -m pytest "$REPO/tests/test_gpu.py" -m gpu -k "not meta_build" -v -rA -p no:cacheprovider \
+        --junitxml="$OUT_DIR/test_gpu.xml") >"$WORK/pytest.out" 2>&1 || rc=$?
+    cat "$WORK/pytest.out"
+    say "$(pytest_line "$WORK/pytest.out")$(grep -E '^(FAILED|ERROR) ' "$WORK/pytest.out" | cut -d' ' -f2 | sed 's/^.*:://' | tr '\n' ' ' | sed 's/^/; /;s/; $//')"
+    return $rc
+}
+
+stage_meta_build() {
+    local rc=0
+    (cd "$WORK" && "$PY" -m pytest "$REPO/tests/test_gpu.py" -m gpu -k meta_build -v -s -rA -p no:cacheprovider) \
+        >"$WORK/meta.out" 2>&1 || rc=$?
+    cat "$WORK/meta.out"
+    say "$(pytest_line "$WORK/meta.out")$(grep -m1 -o 'model [0-9.]* GiB on the GPU.*' "$WORK/meta.out" | sed 's/^/: /')"
+    return $rc
+}
+
+TINY=(model=tiny train.seq_len=64 train.max_steps=3 train.log_every=1 train.eval_windows=8 sample.max_new_tokens=0 progress=plain)
+
+stage_ranks() {
+    local device=cuda nproc=1
+    if [[ $DRY_RUN == 1 ]]; then device=cpu nproc=2; fi
+    cd "$WORK"
+    echo "+ torchrun --nproc_per_node=$nproc -m ciuic_train device=$device ${TINY[*]}"
+    "$PY" -m torch.distributed.run --nproc_per_node=$nproc -m ciuic_train "device=$device" "${TINY[@]}" \
+        "hydra.run.dir=$WORK/torchrun" || { say "torchrun --nproc_per_node=$nproc on $device failed"; return 1; }
+    local ran
+    ran=$("$PY" -c 'import json, sys
+s = json.load(open(sys.argv[1]))
+print("{world_size} rank(s) on {device}, {steps} steps, loss {final_train_loss:.4f}".format(**s))' "$WORK/torchrun/summary.json")
+    say "torchrun: $ran ($([[ $device == cuda ]] && echo NCCL || echo gloo))"
+    if [[ $DRY_RUN == 1 ]]; then
+        say "two ranks on one GPU: not rehearsed (no CUDA here)"
+        return 0
+    fi
+    local gpus rc=0
+    gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+    echo "+ python -m ciuic_train device=cuda dist.nproc_per_node=2 (this node shows $gpus GPU(s))"
+    "$PY" -m ciuic_train device=cuda dist.nproc_per_node=2 "${TINY[@]}" "hydra.run.dir=$WORK/two" \
+        >"$WORK/two.out" 2>"$WORK/two.err" || rc=$?
+    cat "$WORK/two.out" "$WORK/two.err"
+    if ((gpus >= 2)); then
+        [[ $rc == 0 ]] && say "2 ranks on $gpus GPUs trained" || { say "2 ranks on $gpus GPUs failed (exit $rc)"; return 1; }
+    elif [[ $rc == 2 && $(wc -l <"$WORK/two.err") == 1 ]] && grep -q "ranks on CUDA, but this node shows" "$WORK/two.err"; then
+        say "2 ranks on 1 GPU refused in one line, exit 2"
+    else
+        say "2 ranks on 1 GPU: exit $rc, not the one-line refusal: $(head -c 200 "$WORK/two.err" | tr '\n' ' ')"
+        return 1
+    fi
+}
+
+stage_bench() {
+    local args=(--model bench --device cuda --precision bf16 --steps 10 --rounds 1 --batch-size 8 --seq-len 1024)
+    # ~1 B parameters: DeepSeek-V2-Lite-like attention (16 heads, qk 128+64, v 128, kv
+    # latent 512), 64 fine-grained routed experts of 256, top-6, 2 shared.
+    local overrides=(model.vocab_size=32768 model.dim=1024 model.n_layers=16 model.n_dense_layers=1 model.n_heads=16
+        model.q_lora_rank=0 model.kv_lora_rank=512 model.qk_nope_head_dim=128 model.qk_rope_head_dim=64
+        model.v_head_dim=128 model.dense_ffn_dim=4096 model.moe_ffn_dim=256 model.n_routed_experts=64
+        model.n_shared_experts=2 model.n_activated_experts=6 model.max_seq_len=1024)
+    if [[ $DRY_RUN == 1 ]]; then # the plumbing only; fp32, as bf16 matmuls crawl on CPUs without native bf16
+        args=(--model tiny --device cpu --precision fp32 --steps 2 --rounds 1 --batch-size 2 --seq-len 64)
+        overrides=(model.vocab_size=512 model.max_seq_len=64)
+    fi
+    for o in "${overrides[@]}"; do args+=(--override "$o"); done
+    # The trainer side saves a checkpoint (~12 GB at 1 B): on tmpfs when it has room.
+    local shm_gb
+    shm_gb=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print int($4 / 1048576)}' || echo 0)
+    if [[ ${shm_gb:-0} -ge 40 ]]; then export TMPDIR=/dev/shm; fi
+    cd "$WORK"
+    echo "+ python scripts/bench.py ${args[*]} --datasheet-tflops $PEAK_TFLOPS"
+    "$PY" "$REPO/scripts/bench.py" "${args[@]}" --datasheet-tflops "$PEAK_TFLOPS" --json "$OUT_DIR/bench.json" |
+        tee "$WORK/bench.out"
+    [[ ${PIPESTATUS[0]} == 0 ]] || { say "bench.py failed"; return 1; }
+    say "$(grep -m1 '^summary: ' "$WORK/bench.out" | sed 's/^summary: //')"
+}
+
+if [[ -n ${GPU_CHECK_STAGE:-} ]]; then # a stage, in its own process (run_stage), set up by the run below
+    STAGE=${GPU_CHECK_STAGE#stage_}
+    "$GPU_CHECK_STAGE"
+    exit
 fi
 
-CPU_ONLY=0
-INSTALL=1
-BUDGET_S=450
+ARGS=("$@")
+DRY_RUN=0
+BUDGET_S=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --cpu-only) CPU_ONLY=1 ;;
-        --no-install) INSTALL=0 ;;
+        --build-wheels) build_wheels; exit ;;
+        --dry-run) DRY_RUN=1 ;;
         --budget) BUDGET_S=$2; shift ;;
         *) echo "gpu_check.sh: unknown option $1 (see --help)"; exit 2 ;;
     esac
     shift
 done
+BUDGET_S=${BUDGET_S:-$([[ $DRY_RUN == 1 ]] && echo 900 || echo 450)}
 
-export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=15 PIP_RETRIES=1
+OUT_DIR=${OUT:-gpu_check_out}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+# Everything this script prints also goes to OUT/gpu_check.log.
+if [[ -z ${GPU_CHECK_LOGGED:-} ]]; then
+    export GPU_CHECK_LOGGED=1
+    set +o pipefail
+    bash "${BASH_SOURCE[0]}" "${ARGS[@]}" 2>&1 | tee "$OUT_DIR/gpu_check.log"
+    exit "${PIPESTATUS[0]}"
+fi
+
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
-# Stage logs, the helper and intermediate figures live here; OUT gets at most 8 files
-# (what the device tool brings back): gpu_check.log, summary.txt, nvidia-smi.txt,
-# test_gpu.xml, params.json, matmul.json, bench.json.
+# Stage logs and run folders; every command runs from here, outside the repo root, so the
+# installed ciuic_train (whose ciuic_train.conf Hydra needs) is the one imported.
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+SITE=$WORK/site
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
 START=$(date +%s)
 DEADLINE=$((START + BUDGET_S))
-RESERVE_S=10 # kept for the summary
 STAGES=()
-declare -A VERDICT=() SECONDS_TAKEN=()
+declare -A VERDICT=() TOOK=()
 
-# The ~1B config: model=bench with DeepSeek-V2-Lite-like attention (16 heads, qk 128+64,
-# v 128, kv latent 512) and fine-grained experts (64 routed of 256, top-6, 2 shared).
-BENCH_MODEL=bench
-BENCH_OVERRIDES=(
-    model.vocab_size=32768 model.dim=1024 model.n_layers=16 model.n_dense_layers=1 model.n_heads=16
-    model.q_lora_rank=0 model.kv_lora_rank=512 model.qk_nope_head_dim=128 model.qk_rope_head_dim=64
-    model.v_head_dim=128 model.dense_ffn_dim=4096 model.moe_ffn_dim=256 model.n_routed_experts=64
-    model.n_shared_experts=2 model.n_activated_experts=6 model.max_seq_len=1024
-)
-BENCH_DEVICE=cuda
-BENCH_PRECISION=bf16
-BENCH_STEPS=${BENCH_STEPS:-10}
-BENCH_ROUNDS=${BENCH_ROUNDS:-2}
-BENCH_BATCH=${BENCH_BATCH:-8}
-BENCH_SEQ=${BENCH_SEQ:-1024}
-if [[ $CPU_ONLY == 1 ]]; then # the plumbing only: a tiny model on CPU
-    BENCH_MODEL=tiny
-    BENCH_OVERRIDES=(model.vocab_size=512 model.max_seq_len=64)
-    # fp32: bf16 matmuls crawl on CPUs without native bf16 (minutes for bench.py's peak).
-    BENCH_DEVICE=cpu BENCH_PRECISION=fp32 BENCH_STEPS=2 BENCH_ROUNDS=1 BENCH_BATCH=2 BENCH_SEQ=64
+export REPO WORK SITE PY DRY_RUN OUT_DIR PEAK_TFLOPS
+
+# --- the run ---------------------------------------------------------------------------------
+echo "gpu_check.sh $([[ $DRY_RUN == 1 ]] && echo "--dry-run (CPU) ")at $(git rev-parse --short HEAD 2>/dev/null || echo '?'),"\
+    "budget ${BUDGET_S}s, work folder $WORK, outputs in $OUT_DIR"
+if [[ $DRY_RUN == 1 ]]; then
+    run_stage standin 300 stage_standin
+    if [[ ${VERDICT[standin]} == PASS ]]; then PY=$WORK/standin/bin/python; export PY; fi
 fi
-
-banner() { printf '\n======== %s ======== (%ss elapsed, %ss left)\n' "$1" "$(($(date +%s) - START))" "$((DEADLINE - $(date +%s)))"; }
-record() { STAGES+=("$1"); VERDICT[$1]=$2; SECONDS_TAKEN[$1]=${3:-0}; }
-
-# run_stage NAME CAP_SECONDS COMMAND...: run under `timeout` (clipped to the budget left),
-# output to the terminal and WORK/NAME.log; records PASS / FAIL (rc) / TIMEOUT / SKIPPED.
-run_stage() {
-    local name=$1 cap=$2
-    shift 2
-    local left=$((DEADLINE - $(date +%s) - RESERVE_S))
-    local limit=$((cap < left ? cap : left))
-    banner "$name"
-    if ((limit < 15)); then
-        echo "skipped: only ${left}s of the ${BUDGET_S}s budget left"
-        record "$name" "SKIPPED (time budget)"
-        return 0
-    fi
-    echo "+ timeout ${limit}s $*"
-    local t0 rc
-    t0=$(date +%s)
-    set +o pipefail
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$WORK/$name.log"
-    rc=${PIPESTATUS[0]}
-    set -o pipefail
-    local took=$(($(date +%s) - t0))
-    case $rc in
-        0) record "$name" PASS "$took" ;;
-        124 | 137) record "$name" "TIMEOUT after ${limit}s" "$took" ;;
-        *) record "$name" "FAIL (exit $rc)" "$took" ;;
-    esac
-    echo "[$name] ${VERDICT[$name]} in ${took}s"
-}
-
-finish() {
-    local status=$1 note=${2:-}
-    banner "summary"
-    {
-        echo "gpu_check.sh summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), ${BUDGET_S}s budget, $(($(date +%s) - START))s used)"
-        echo "repo: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')" \
-            "($(git -C "$REPO" status --short 2>/dev/null | wc -l) changed files)"
-        echo "python: ${PY:-none}"
-        if [[ -n $note ]]; then echo "note: $note"; fi
-        for stage in "${STAGES[@]}"; do
-            printf '  %-8s %-28s %4ss\n' "$stage" "${VERDICT[$stage]}" "${SECONDS_TAKEN[$stage]}"
-        done
-        if [[ -f $WORK/tests.log ]]; then
-            echo "tests: $(grep -E '^=+ .*(passed|failed|error|skipped|deselected).* =+$' "$WORK/tests.log" | tail -1 | tr -d '=' | xargs || true)"
-            grep -E '^(FAILED|ERROR) ' "$WORK/tests.log" | sed 's/^/  /' || true
-        fi
-        for f in params bare bench; do
-            if [[ -f $WORK/$f.summary ]]; then sed 's/^/  /' "$WORK/$f.summary"; fi
-        done
-        echo "outputs: $OUT_DIR (stage logs: $WORK)"
-    } | tee "$OUT_DIR/summary.txt" || true
-    for f in test_gpu.xml params.json matmul.json bench.json; do
-        if [[ -f $WORK/$f ]]; then cp "$WORK/$f" "$OUT_DIR/"; fi
-    done
-    exit "$status"
-}
-
-# --- the Python helper (probes, counts and timings), written next to the outputs ------------
-HELPER=$WORK/gpu_check_helper.py
-cat >"$HELPER" <<'PYEOF'
-"""Helper of scripts/gpu_check.sh: `python gpu_check_helper.py COMMAND [bench.py arguments]`.
-
-Lives outside the repo root on purpose: run from there, the source tree's `ciuic_train`
-would shadow the installed one, whose `ciuic_train.conf` Hydra needs.
-"""
-import json
-import os
-import sys
-import time
-from pathlib import Path
-
-REPO = Path(os.environ["GPU_CHECK_REPO"])
-OUT = Path(os.environ["GPU_CHECK_WORK"])
-PEAK = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12
-
-
-def probe():
-    """exit 0: CUDA torch and ciuic_train; 3: CUDA torch, no ciuic_train; 4: ciuic_train, torch
-    without CUDA; 5: no torch; 6: neither CUDA nor ciuic_train."""
-    try:
-        import torch
-    except Exception as err:  # noqa: BLE001
-        print(f"no torch ({type(err).__name__}: {err})")
-        return 5
-    cuda = torch.cuda.is_available()
-    try:
-        import importlib
-        importlib.import_module("ciuic_train.conf")  # Hydra's config package: only an install maps it
-        importlib.import_module("ciuic_train.train.trainer")
-        ours = f"ciuic_train from {Path(sys.modules['ciuic_train'].__file__).parent}"
-    except Exception as err:  # noqa: BLE001
-        ours = f"ciuic_train not importable ({type(err).__name__}: {err})"
-    print(f"torch {torch.__version__} (CUDA build {torch.version.cuda}), cuda available: {cuda}; {ours}")
-    ok = ours.startswith("ciuic_train from")
-    if not cuda:
-        return 4 if ok else 6
-    return 0 if ok else 3
-
-
-def env():
-    import torch
-    print(f"python {sys.version.split()[0]} at {sys.executable}")
-    print(f"torch {torch.__version__}, CUDA build {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
-    print(f"cuda available: {torch.cuda.is_available()}, devices: {torch.cuda.device_count()}")
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        print(f"device 0: {props.name}, capability {props.major}.{props.minor}, "
-              f"{props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs")
-        print(f"torch._grouped_mm: {hasattr(torch, '_grouped_mm')}; tf32 matmul: {torch.backends.cuda.matmul.allow_tf32}; "
-              f"sdp flash/mem-efficient/cudnn/math enabled: {torch.backends.cuda.flash_sdp_enabled()}/"
-              f"{torch.backends.cuda.mem_efficient_sdp_enabled()}/"
-              f"{getattr(torch.backends.cuda, 'cudnn_sdp_enabled', lambda: 'n/a')()}/{torch.backends.cuda.math_sdp_enabled()}")
-    for name in ("ciuic_train", "hydra", "omegaconf", "numpy", "pytest", "transformers"):
-        try:
-            module = __import__(name)
-            print(f"{name} {getattr(module, '__version__', '')} at {Path(module.__file__).parent}")
-        except Exception as err:  # noqa: BLE001
-            print(f"{name}: not importable ({type(err).__name__})")
-    return 0
-
-
-def run_pytest(args):
-    import pytest
-    return pytest.main(args)
-
-
-def bench_config(args):
-    """bench.py's own argument parsing and config composition, for the same arguments."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench
-    sys.argv = ["bench.py", *args]
-    parsed = bench.parse_args()
-    return bench, parsed, bench.compose_config(parsed)
-
-
-def params(args):
-    import torch
-    from ciuic_train.model import Transformer, count_parameters
-    from ciuic_train.model.counting import training_flops_per_token
-    _, parsed, config = bench_config(args)
-    with torch.device("meta"):
-        model = Transformer(config.model)
-        total, active = count_parameters(model)
-        flops = training_flops_per_token(model, parsed.seq_len)
-    m = config.model
-    routed = sum(moe.w13.numel() + moe.w2.numel() for moe in model.moe_layers().values())
-    lines = [
-        f"config: model={parsed.model} " + " ".join(parsed.override),
-        f"parameters: {total:,} total ({total / 1e9:.3f} B), {active:,} active per token ({active / 1e6:.0f} M); "
-        f"routed experts {routed / 1e9:.3f} B, embedding + head {2 * m.vocab_size * m.dim / 1e6:.0f} M",
-        f"shape: dim {m.dim}, {m.n_layers} layers ({m.n_dense_layers} dense), {m.n_heads} heads "
-        f"(qk {m.qk_nope_head_dim}+{m.qk_rope_head_dim}, v {m.v_head_dim}, kv latent {m.kv_lora_rank}), "
-        f"{m.n_routed_experts} experts of {m.moe_ffn_dim} top-{m.n_activated_experts} + {m.n_shared_experts} shared, "
-        f"vocab {m.vocab_size}",
-        f"training FLOPs per token at seq {parsed.seq_len}: {flops / 1e9:.3f} GFLOP",
-    ]
-    print("\n".join(lines))
-    (OUT / "params.summary").write_text("\n".join(lines[:2] + lines[3:]) + "\n")
-    (OUT / "params.json").write_text(json.dumps(
-        {"total": total, "active": active, "flops_per_token": flops, "overrides": parsed.override}, indent=2) + "\n")
-    return 0
-
-
-def matmul(args):
-    import torch
-    bench, parsed, _ = bench_config(args)
-    figures = {}
-    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        if name == "bf16" and parsed.precision != "bf16":
-            continue
-        figures[name] = bench.matmul_peak(dtype, device=parsed.device)
-        print(f"matmul {name} ({parsed.device}): " + ", ".join(f"n={n}: {g / 1e3:,.2f} TFLOP/s" for n, g in figures[name].items()))
-    best = max(figures[parsed.precision].values()) * 1e9
-    print(f"best {parsed.precision} square matmul: {best / 1e12:,.2f} TFLOP/s = {best / PEAK:.1%} "
-          f"of the {PEAK / 1e12:g} TFLOP/s datasheet bf16 peak (PEAK_TFLOPS)")
-    (OUT / "matmul.json").write_text(json.dumps(figures, indent=2) + "\n")
-    return 0
-
-
-def mfu_lines(tokens_per_s, flops, label, precision):
-    lines = [f"{label}: {tokens_per_s:,.0f} tokens/s, {tokens_per_s * flops / 1e12:,.2f} TFLOP/s model FLOPs"]
-    lines.append(f"  MFU vs datasheet bf16 {PEAK / 1e12:g} TFLOP/s: {tokens_per_s * flops / PEAK:.2%}")
-    measured = OUT / "matmul.json"
-    figures = json.loads(measured.read_text()) if measured.is_file() else {}
-    if precision in figures:
-        peak = max(figures[precision].values()) * 1e9
-        lines.append(f"  MFU vs measured {precision} matmul peak {peak / 1e12:,.2f} TFLOP/s (gpu_check matmul stage): "
-                     f"{tokens_per_s * flops / peak:.2%}")
-    return lines
-
-
-def bare(args):
-    import torch
-    from ciuic_train.model import Transformer
-    from ciuic_train.model.counting import training_flops_per_token
-    bench, parsed, config = bench_config(args)
-    with torch.device("meta"):
-        flops = training_flops_per_token(Transformer(config.model), parsed.seq_len)
-    tic = time.perf_counter()
-    bench.bare_tokens_per_s(config, bench.WARMUP_STEPS)
-    print(f"warm-up ({bench.WARMUP_STEPS} steps, model built on {parsed.device}): {time.perf_counter() - tic:.1f}s")
-    rates = [bench.bare_tokens_per_s(config, parsed.steps) for _ in range(parsed.rounds)]
-    rate = max(rates)
-    lines = mfu_lines(rate, flops, f"bare loop {parsed.precision} B={parsed.batch_size} S={parsed.seq_len} "
-                                   f"(best of {len(rates)} x {parsed.steps} steps: {', '.join(f'{r:,.0f}' for r in rates)})",
-                      parsed.precision)
-    if parsed.device == "cuda":
-        lines.append(f"  peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    print("\n".join(lines))
-    (OUT / "bare.summary").write_text("\n".join(lines) + "\n")
-    return 0
-
-
-def bench_mfu(args):
-    results = json.loads(Path(args[0]).read_text())
-    flops = results["flops_per_token"]
-    precision = results["precision"]
-    lines = [f"bench.py on {results.get('gpu') or results.get('cpu')}: its measured {precision} matmul peak "
-             f"{results['peak_gflops'] / 1e3:,.2f} TFLOP/s (n={results['peak_size']}); bench.py's own MFU "
-             f"(vs that peak): bare {results['mfu']:.2%}, trainer {results['trainer_mfu']:.2%}"]
-    lines += mfu_lines(results["tokens_per_s"], flops, "bench.py bare loop (median)", precision)
-    lines += mfu_lines(results["trainer_tokens_per_s"], flops, "bench.py trainer (median)", precision)
-    lines.append(f"  trainer / bare: {results['trainer_bare_ratio']:.3f}")
-    print("\n".join(lines))
-    (OUT / "bench.summary").write_text("\n".join(lines) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    command, rest = sys.argv[1], sys.argv[2:]
-    commands = {"probe": probe, "env": env}
-    if command in commands:
-        sys.exit(commands[command]())
-    sys.exit({"pytest": run_pytest, "params": params, "matmul": matmul, "bare": bare, "bench_mfu": bench_mfu}[command](rest))
-PYEOF
-export GPU_CHECK_REPO=$REPO GPU_CHECK_WORK=$WORK PEAK_TFLOPS
-
-# --- env --------------------------------------------------------------------------------------
-banner "env"
-echo "repo $REPO at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), outputs in $OUT_DIR"
-echo "host $(hostname), $(nproc) cores, $(free -g 2>/dev/null | awk '/Mem:/ {print $2 " GiB memory"}')"
-GPU_SEEN=0
-if command -v nvidia-smi >/dev/null; then
-    timeout 30 nvidia-smi 2>&1 | tee "$OUT_DIR/nvidia-smi.txt" || true
-    timeout 30 nvidia-smi --query-gpu=name,compute_cap,memory.total,clocks.max.sm,power.limit,driver_version \
-        --format=csv 2>&1 || true
-    if timeout 30 nvidia-smi -L 2>/dev/null | grep -q GPU; then GPU_SEEN=1; fi
+run_stage env 20 stage_env
+if [[ ${VERDICT[env]} == "FAIL(2)" ]]; then
+    FATAL=2
 else
-    echo "nvidia-smi: not found"
+    FATAL=0
+    run_stage install 45 stage_install
+    run_stage tests 120 stage_tests
+    run_stage meta_build 45 stage_meta_build
+    run_stage ranks 60 stage_ranks
+    run_stage bench 150 stage_bench
 fi
-if [[ -e /dev/nvidia0 ]]; then GPU_SEEN=1; fi
-echo "NVIDIA GPU visible to this machine: $([[ $GPU_SEEN == 1 ]] && echo yes || echo no)"
-record env PASS
 
-# --- python: an interpreter with CUDA torch and ciuic_train -----------------------------------
-banner "python"
-PY_T0=$(date +%s)
-probe() { timeout 120 "$1" "$HELPER" probe; }
-# Probe codes: 0 CUDA torch + ciuic_train, 3 CUDA torch only, 4 CPU torch + ciuic_train,
-# 6 CPU torch only, 5 no torch. --cpu-only accepts a CPU torch.
-TORCH_KIND="CUDA torch"
-if [[ $CPU_ONLY == 1 ]]; then TORCH_KIND="torch"; fi
-accepts() { [[ $1 == 0 || ($CPU_ONLY == 1 && $1 == 4) ]]; }
-lacks_project() { [[ $1 == 3 || ($CPU_ONLY == 1 && $1 == 6) ]]; }
-candidates=()
-if [[ -n ${PYTHON:-} ]]; then candidates+=("$PYTHON"); fi
-candidates+=("$REPO/.venv/bin/python" "$REPO/.venv-gpu/bin/python" python3 python)
-PY=""
-FALLBACK="" # the first with torch (CUDA unless --cpu-only) but without ciuic_train
-pick() {
-    local candidate rc
-    PY="" FALLBACK=""
-    for candidate in "${candidates[@]}"; do
-        command -v "$candidate" >/dev/null 2>&1 || continue
-        echo -n "probe $candidate: "
-        rc=0
-        probe "$candidate" || rc=$?
-        if accepts $rc; then PY=$(command -v "$candidate"); return 0; fi
-        if lacks_project $rc && [[ -z $FALLBACK ]]; then FALLBACK=$(command -v "$candidate"); fi
+status=$FATAL
+{
+    echo "gpu_check.sh$([[ $DRY_RUN == 1 ]] && echo " --dry-run") summary: $(date -u +%Y-%m-%dT%H:%M:%SZ)," \
+        "tree $(tree_hash), $(($(date +%s) - START))s of a ${BUDGET_S}s budget"
+    for stage in "${STAGES[@]}"; do
+        printf '%-10s %-8s %4ss  %s\n' "$stage" "${VERDICT[$stage]}" "${TOOK[$stage]}" "$(line_of "$stage")"
+        if [[ ${VERDICT[$stage]} != PASS && $status == 0 ]]; then status=1; fi
     done
-}
-pick
-install_note=""
-# Wheels carried in .whl (the GPU machine has no network: hydra-core, omegaconf and
-# antlr4-python3-runtime are not in its image) go to a folder on PYTHONPATH.
-wheels=("$REPO"/.whl/*.whl)
-if [[ -z $PY && -e ${wheels[0]} ]]; then
-    WHEEL_SITE=/tmp/gpu_check_site
-    pip_py=${FALLBACK:-$(command -v python3 || command -v python)}
-    echo "+ $pip_py -m pip install --no-index --no-deps --target $WHEEL_SITE .whl/*.whl"
-    if timeout 120 "$pip_py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$WHEEL_SITE" "${wheels[@]}"; then
-        export PYTHONPATH=$WHEEL_SITE${PYTHONPATH:+:$PYTHONPATH}
-        install_note="installed ${#wheels[@]} carried wheels from .whl into $WHEEL_SITE (PYTHONPATH)"
-        echo "$install_note"
-        pick
-    fi
-fi
-if [[ -z $PY && $INSTALL == 1 && ($GPU_SEEN == 1 || $CPU_ONLY == 1) ]]; then
-    echo "no interpreter has both $TORCH_KIND and ciuic_train: installing"
-    online=1
-    if [[ ${GPU_CHECK_OFFLINE:-0} == 1 ]] || ! timeout 8 "${FALLBACK:-python3}" -c \
-        'import urllib.request; urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=6)' >/dev/null 2>&1; then
-        online=0
-    fi
-    echo "package index reachable: $([[ $online == 1 ]] && echo yes || echo 'no (offline installs only)')"
-    pip_try() { # a pip command under a time limit, echoed; never fatal
-        local left=$((DEADLINE - $(date +%s) - 240))
-        if ((left < 30)); then echo "  (no time left for: $*)"; return 1; fi
-        echo "+ $*"
-        timeout $((left < 300 ? left : 300)) "$@" 2>&1 | tail -n 15
-        return "${PIPESTATUS[0]}"
-    }
-    in_venv() { "$1" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/null; }
-    vpy=""
-    if [[ -n $FALLBACK ]] && in_venv "$FALLBACK"; then
-        vpy=$FALLBACK # a venv with torch but not the project: the project goes into it, its torch stays
-        install_note="${install_note:+$install_note; }torch found in the venv of $FALLBACK: installed the project there"
-    else
-        venv=$REPO/.venv
-        if [[ -x $venv/bin/python ]]; then venv=$REPO/.venv-gpu; fi # .venv is there but unusable: left alone
-        base=${FALLBACK:-$(command -v python3 || command -v python)}
-        echo "+ $base -m venv --system-site-packages $venv"
-        if [[ -x $venv/bin/python ]] || "$base" -m venv --system-site-packages "$venv"; then
-            vpy=$venv/bin/python
-            install_note="${install_note:+$install_note; }made $venv from $base (it sees $base's packages)"
-        fi
-    fi
-    if [[ -n $vpy && $online == 1 ]]; then
-        # The usual install first; then without the torch pin (keeps a present torch of
-        # another 2.x); then the project alone.
-        if [[ -n $FALLBACK ]]; then
-            pip_try "$vpy" -m pip install -e '.[test,bench]' || pip_try "$vpy" -m pip install -e '.[test]' ||
-                pip_try "$vpy" -m pip install --no-deps --no-build-isolation -e . || true
-        else
-            pip_try "$vpy" -m pip install torch==2.13.0 -e '.[test,bench]' ||
-                pip_try "$vpy" -m pip install -e '.[test]' ||
-                pip_try "$vpy" -m pip install --no-deps --no-build-isolation -e . || true
-        fi
-    elif [[ -n $vpy ]]; then
-        pip_try "$vpy" -m pip install --no-index --no-deps --no-build-isolation -e . || true
-        install_note="$install_note; offline: pip install --no-index --no-deps --no-build-isolation -e ."
-    fi
-    if [[ -n $vpy ]]; then
-        rc=0
-        echo -n "probe $vpy: "
-        probe "$vpy" || rc=$?
-        if [[ ($rc == 4 || $rc == 6) && $CPU_ONLY == 0 && $online == 1 ]]; then
-            # A CPU-only torch from the plain index: the CUDA wheels of download.pytorch.org.
-            install_note="$install_note; plain pip gave a CPU-only torch, tried --index-url download.pytorch.org/whl/{cu130,cu128,cu126}"
-            for cu in cu130 cu128 cu126; do
-                pip_try "$vpy" -m pip install --force-reinstall torch==2.13.0 --index-url "https://download.pytorch.org/whl/$cu" || continue
-                rc=0
-                echo -n "probe $vpy: "
-                probe "$vpy" || rc=$?
-                if [[ $rc != 4 && $rc != 6 ]]; then
-                    install_note="$install_note ($cu worked)"
-                    break
-                fi
-            done
-        fi
-        if accepts $rc; then PY=$vpy; fi
-    fi
-    echo "install: $install_note; result: ${PY:-still no usable interpreter}"
-elif [[ -z $PY && $INSTALL == 0 ]]; then
-    install_note="${install_note:+$install_note; }--no-install: nothing installed"
-fi
-if [[ -z $PY ]]; then
-    if [[ $GPU_SEEN == 0 && $CPU_ONLY == 0 ]]; then
-        why="no NVIDIA GPU on this machine (no GPU in nvidia-smi -L, no /dev/nvidia0); --cpu-only checks the plumbing"
-    else
-        why="no interpreter has $TORCH_KIND and an importable ciuic_train (${install_note:-see the probes above})"
-        if grep -q -E "No module named '(hydra|omegaconf|antlr4)" "$OUT_DIR/gpu_check.log" 2>/dev/null; then
-            why="$why; hydra-core/omegaconf/antlr4 are missing and cannot be downloaded here: carry them as wheels in .whl (see this script's header)"
-        fi
-    fi
-    echo "gpu_check: ERROR: $why"
-    record python "FAIL: no usable python" $(($(date +%s) - PY_T0))
-    finish 2 "$why"
-fi
-echo "using $PY${install_note:+ ($install_note)}"
-record python PASS $(($(date +%s) - PY_T0))
-run_stage torch 60 "$PY" "$HELPER" env
-
-# --- tests ------------------------------------------------------------------------------------
-run_stage tests 200 "$PY" "$HELPER" pytest tests/test_gpu.py -m gpu -v -rA -p no:cacheprovider \
-    --junitxml="$WORK/test_gpu.xml"
-
-# --- the ~1B benchmark --------------------------------------------------------------------------
-bench_args=(--model "$BENCH_MODEL" --device "$BENCH_DEVICE" --precision "$BENCH_PRECISION" --steps "$BENCH_STEPS"
-    --batch-size "$BENCH_BATCH" --seq-len "$BENCH_SEQ")
-for o in "${BENCH_OVERRIDES[@]}"; do bench_args+=(--override "$o"); done
-run_stage params 60 "$PY" "$HELPER" params "${bench_args[@]}"
-run_stage matmul 60 "$PY" "$HELPER" matmul "${bench_args[@]}"
-run_stage bare 150 "$PY" "$HELPER" bare "${bench_args[@]}" --rounds 2
-
-# bench.py's trainer side saves a checkpoint per round (weights and Adam state, ~12 GB at
-# 1B): on tmpfs when it has room, so disk speed is not what the wall clock measures.
-shm_free_gb=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print int($4 / 1048576)}' || echo 0)
-if [[ ${shm_free_gb:-0} -ge 40 ]]; then
-    export TMPDIR=/dev/shm/gpu_check_tmp
-    mkdir -p "$TMPDIR"
-fi
-echo
-echo "temporary run folders (bench.py's trainer checkpoints) in ${TMPDIR:-/tmp}" \
-    "($(df -Ph "${TMPDIR:-/tmp}" | awk 'NR==2 {print $4}') free)"
-rounds=$BENCH_ROUNDS
-if ((DEADLINE - $(date +%s) < 240 && rounds > 1)); then
-    rounds=1
-    echo "less than 240s left: bench.py runs 1 round instead of $BENCH_ROUNDS"
-fi
-run_stage bench 330 "$PY" scripts/bench.py "${bench_args[@]}" --rounds "$rounds" --json "$WORK/bench.json"
-if [[ -f $WORK/bench.json && ${VERDICT[bench]} == PASS ]]; then
-    "$PY" "$HELPER" bench_mfu "$WORK/bench.json" || true
-fi
-if [[ ${TMPDIR:-} == /dev/shm/gpu_check_tmp ]]; then rm -rf "$TMPDIR"; fi
-
-status=0
-for stage in "${STAGES[@]}"; do
-    [[ ${VERDICT[$stage]} == PASS ]] || status=1
-done
-finish "$status" "${install_note:-}"
+} | tee "$OUT_DIR/summary.txt"
+exit "$status"

@@ -1,0 +1,62 @@
+"""scripts/gpu_check.sh rehearsed on CPU (`--dry-run`): every stage's set-up and command,
+the carried wheels installed into an interpreter without hydra included, so the few
+minutes a lent GPU gives are not spent on the script's own mistakes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def stages(summary: Path) -> dict[str, tuple[str, str]]:
+    """summary.txt's stage lines: name -> (verdict, summary line)."""
+    rows = {}
+    for line in summary.read_text().splitlines()[1:]:
+        name, verdict, _seconds, *rest = line.split(None, 3)
+        rows[name] = (verdict, rest[0] if rest else "")
+    return rows
+
+
+@pytest.mark.slow
+def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BUILD_PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=900)
+    found = stages(tmp_path / "out" / "summary.txt")
+    assert result.returncode == 0, json.dumps(found, indent=1) + result.stdout[-3000:]
+    assert list(found) == ["standin", "env", "install", "tests", "meta_build", "ranks", "bench"]
+    assert {verdict for verdict, _ in found.values()} == {"PASS"}
+    assert "without hydra-core/omegaconf/antlr4" in found["standin"][1]
+    assert "ciuic-train 0.1.0, hydra-core " in found["install"][1] and "omegaconf " in found["install"][1]
+    assert "skipped" in found["tests"][1]  # collected and imported from the carried wheels, skipped without CUDA
+    assert found["ranks"][1].startswith("torchrun: 2 rank(s) on cpu, 3 steps")
+    bench = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert bench["tokens_per_s"] > 0 and bench["datasheet_tflops"] == 989 and 0 < bench["datasheet_mfu"] < 1
+    assert found["bench"][1].startswith(bench["cpu"])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "bench.json", "gpu_check.log", "summary.txt", "test_gpu.xml"
+    ]
+
+    # A GPU run refuses wheels built from another tree (here: SOURCE says so) in one line.
+    source = REPO / ".whl" / "SOURCE"
+    built = source.read_text()
+    work = tmp_path / "work"
+    work.mkdir()
+    stage_env = {**env, "GPU_CHECK_STAGE": "stage_install", "REPO": str(REPO), "WORK": str(work),
+                 "SITE": str(work / "site"), "PY": sys.executable, "DRY_RUN": "0", "OUT_DIR": str(tmp_path / "out")}
+    try:
+        source.write_text("0123456789abcdef\n")
+        stale = subprocess.run(["bash", str(SCRIPT)], env=stage_env, capture_output=True, text=True, timeout=60)
+    finally:
+        source.write_text(built)
+    assert stale.returncode == 1
+    assert (work / "install.line").read_text() == (
+        f".whl was built from tree 0123456789abcdef, this is tree {built.strip()}: "
+        "run bash scripts/gpu_check.sh --build-wheels here and carry .whl\n"
+    )
+    assert not (work / "site").exists()
