@@ -7,7 +7,6 @@ import subprocess
 import sys
 import shutil
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -179,21 +178,10 @@ def test_torchrun_restarts_after_a_killed_rank_and_ends_like_an_uninterrupted_ru
     common = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=30", "ckpt.every=5", "train.log_every=5"]
 
     def restartable(*extra):
-        # Rarely (3 of ~20 runs, only inside the full suite) a worker of the restarted group
-        # has not exited minutes after the run finished; one retry keeps CI meaningful, and
-        # the warning keeps it visible. Every assertion below still applies to the result.
-        for attempt in (1, 2):
-            try:
-                return torchrun("--nproc_per_node=2", "--max-restarts=1", "-m", "ciuic_train", *common, *extra,
-                                cwd=tmp_path, timeout=150)
-            except subprocess.TimeoutExpired as err:
-                output = "".join(
-                    (part.decode() if isinstance(part, bytes) else part)[-3000:] for part in (err.stdout, err.stderr) if part
-                )
-                if attempt == 2:
-                    raise AssertionError(f"torchrun {extra} timed out twice:\n{output}") from None
-                warnings.warn(f"torchrun {extra} hung at exit once; retrying. Output tail:\n{output[-1500:]}")
-                shutil.rmtree(tmp_path / extra[-1].split("=", 1)[1], ignore_errors=True)
+        # A rank that hangs on its way out is stopped by its own watchdog (exit status 1,
+        # every thread's stack on stderr: Parallel.close), so it fails here, with the stacks.
+        return torchrun("--nproc_per_node=2", "--max-restarts=1", "-m", "ciuic_train", *common, *extra,
+                        cwd=tmp_path, timeout=420)
 
     whole = restartable(f"hydra.run.dir={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr[-3000:]

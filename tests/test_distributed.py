@@ -281,3 +281,14 @@ def test_fsdp_bf16_keeps_the_rope_tables_fp32(tmp_path):
         assert grads and all(g.dtype == torch.float32 and torch.isfinite(g.full_tensor()).all() for g in grads)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_rank_that_hangs_on_its_way_out_prints_every_stack_and_exits_1():
+    """What `Parallel.close` arms in a rank's process: a hang after the run (a stuck thread
+    or destructor) ends with the stacks that show where, not a process that never exits."""
+    code = ("import threading\nfrom ciuic_train.distributed.process_group import exit_within\n"
+            "exit_within(1)\nthreading.Event().wait()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Timeout (0:00:01)!" in result.stderr
+    assert 'File "<string>", line 4 in <module>' in result.stderr, result.stderr

@@ -8,6 +8,7 @@ tests are skipped, unless CIUIC_REQUIRE_NETNS=1 says it must be there.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +52,28 @@ def on_host(host: int, nproc: int, port: int, run_id: str, args: list[str], cwd:
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_job(host: subprocess.Popen) -> None:
+    """SIGKILL an `on_host` job and every process under it (torchrun's workers run in
+    sessions of their own), all at once, as a machine that lost power would lose them.
+    Other processes on that host, such as a slurmd, live on."""
+    tree, grown = {host.pid}, True
+    while grown:
+        grown = False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            if ppid in tree and pid not in tree:
+                tree.add(pid)
+                grown = True
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def two_hosts(workdir: Path, name: str, nproc: int, *extra: str) -> Path:
@@ -110,7 +133,7 @@ def uninterrupted(workdir) -> Path:
 
 
 def test_a_dead_node_fails_the_other_at_once_and_the_rerun_job_ends_as_if_it_had_not(workdir, uninterrupted):
-    """Host 1 dies past the step-50 checkpoint: host 0 fails at once, in one line naming the
+    """Host 1's job dies past the step-50 checkpoint (`kill_job`): host 0 fails at once, in one line naming the
     lost rank; the job run again (a requeue) resumes and ends with the uninterrupted weights.
     (A replacement node under `--max-restarts`: the next test.)
     """
@@ -118,7 +141,7 @@ def test_a_dead_node_fails_the_other_at_once_and_the_rerun_job_ends_as_if_it_had
     args = common(workdir, run_dir, *LONG)
     hosts = [on_host(h, 1, port, "dies", args, workdir) for h in (0, 1)]
     wait_for_step(run_dir, 60)
-    subprocess.run([str(CLUSTER), "kill", "1"], check=True, capture_output=True)
+    kill_job(hosts[1])
     output = hosts[0].communicate(timeout=120)[0]
     hosts[1].wait(timeout=30)
     assert hosts[0].returncode != 0
@@ -139,7 +162,7 @@ def test_a_dead_node_fails_the_other_at_once_and_the_rerun_job_ends_as_if_it_had
 
 
 def test_a_dead_node_started_again_under_max_restarts_resumes_and_ends_as_if_it_had_not(workdir, uninterrupted):
-    """Host 1 dies past the step-50 checkpoint and its torchrun is started again: with
+    """Host 1's job dies past the step-50 checkpoint and its torchrun is started again: with
     `--max-restarts=1` the agents form a new worker group that resumes from step 50 and
     ends with the uninterrupted weights.
 
@@ -154,7 +177,7 @@ def test_a_dead_node_started_again_under_max_restarts_resumes_and_ends_as_if_it_
     options = ("--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3",)
     hosts = [on_host(h, 1, port, "replaced", args, workdir, 1, env, options) for h in (0, 1)]
     wait_for_step(run_dir, 60)
-    subprocess.run([str(CLUSTER), "kill", "1"], check=True, capture_output=True)
+    kill_job(hosts[1])
     hosts[1].wait(timeout=30)
     hosts[1] = on_host(1, 1, port, "replaced", args, workdir, 1, env, options)  # the node is back
     outputs = [host.communicate(timeout=300)[0] for host in hosts]

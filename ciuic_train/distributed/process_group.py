@@ -12,6 +12,7 @@ the training step does with the gradients across ranks, `ciuic_train/distributed
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import re
@@ -131,13 +132,29 @@ class Parallel:
         while that is still pending, the destructor joins the worker thread with the GIL
         held and both wait forever (seen with torch 2.13: a rank hung after finishing).
         Sleeping releases the GIL so the worker can drain first.
+
+        A rank runs one job, so its process ends soon after this; should it hang on the
+        way out instead (a thread or a destructor stuck), `exit_within` turns that into
+        every thread's stack on stderr and exit status 1, not an allocation held forever.
         """
         if self.group_started and dist.is_initialized():
+            exit_within(EXIT_GRACE_S)
             if clean:
                 dist.barrier()
                 time.sleep(0.2)
             dist.destroy_process_group()
             self.group_started = False
+
+
+# How long a rank's process may take to end once its process group is being closed.
+EXIT_GRACE_S = 120
+
+
+def exit_within(seconds: float) -> None:
+    """If this process is still running `seconds` from now, print every thread's stack
+    to stderr and exit with status 1 (faulthandler's timer: a C thread, which needs
+    neither the GIL nor a responsive interpreter)."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def local_address() -> str:
