@@ -10,9 +10,11 @@ ids, `sampler.py`'s.
 
 from __future__ import annotations
 
+import mmap
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -73,7 +75,7 @@ def _load_pretokenized(cfg: DataConfig, sources: Sources) -> TokenSplits:
     val = _open_bin(sources.val[0], dtype) if sources.val else None
     if val is None:
         train, val = _tail_split(train, sources.tail_fraction)
-    vocab = int(max(train.max(initial=0), val.max(initial=0))) + 1
+    vocab = max(int(chunk.max(initial=0)) for split in (train, val) for chunk in chunks(split)) + 1
     tokenizer = ByteTokenizer() if cfg.tokenizer == BYTES else load_tokenizer_file(cfg.tokenizer)
     if cfg.tokenizer != BYTES:
         vocab = max(vocab, tokenizer.vocab_size)
@@ -106,8 +108,33 @@ def _open_bin(path: Path, dtype: str = "uint16") -> np.ndarray:
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
-    """Entropy (nats per token) of the token frequencies: the loss of a model that ignores context."""
-    counts = np.bincount(np.asarray(tokens), minlength=vocab_size).astype(np.float64)
+    """Entropy (nats per token) of the token frequencies: the loss of a model that ignores
+    context. Counted a chunk at a time (`chunks`), in memory that does not grow with the corpus."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for chunk in chunks(tokens):
+        seen = np.bincount(chunk, minlength=len(counts))
+        if len(seen) > len(counts):  # ids past vocab_size count too, as they did in the model's loss
+            counts = np.pad(counts, (0, len(seen) - len(counts)))
+        counts += seen
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
+
+# Tokens per chunk of a pass over a whole split: bincount and max widen a chunk to int64,
+# 8 MiB at this size, whatever the corpus.
+CHUNK_TOKENS = 2**20
+
+
+def chunks(tokens: np.ndarray, size: int = CHUNK_TOKENS) -> Iterator[np.ndarray]:
+    """`tokens` a chunk at a time, for a pass over a whole split. Of a memory-mapped split,
+    the pages each chunk read leave this process's resident memory after it (the page
+    cache keeps them), so a pass over a corpus larger than the memory left still fits."""
+    mapping = getattr(tokens, "_mmap", None)  # np.memmap's mapping (slices share their base's)
+    base = np.frombuffer(mapping, dtype=np.uint8).ctypes.data if mapping is not None else 0
+    for start in range(0, len(tokens), size):
+        chunk = np.asarray(tokens[start : start + size])
+        yield chunk
+        if mapping is not None:  # a read-only file mapping: its pages are dropped here, not lost
+            begin = chunk.ctypes.data - base
+            aligned = begin - begin % mmap.PAGESIZE
+            mapping.madvise(mmap.MADV_DONTNEED, aligned, begin + chunk.nbytes - aligned)
