@@ -175,6 +175,11 @@ class TrainConfig:
     # --plan computes them) exceed what a rank here can use, and warn when the estimated
     # total does (ciuic_train/tools/memory_check.py); false skips the check.
     check_memory: bool = True
+    # Warn when a rank's own time in a step (up to the step's agreement) exceeds this
+    # factor x the other ranks' median on straggler_windows logging steps in a row
+    # (ciuic_train/train/stragglers.py); 0 turns the warning off.
+    straggler_factor: float = 1.5
+    straggler_windows: int = 3
 
 
 @dataclass
@@ -229,6 +234,29 @@ class FaultConfig:
     nan_at_step: int = 0
     oom_rank: int = -1
     oom_at_step: int = 0
+    # Rank `slow_rank` sleeps `slow_s` seconds in every step before the step's agreement,
+    # as a slower machine would take longer (rehearses the straggler warning).
+    slow_rank: int = -1
+    slow_s: float = 0.0
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over a few training steps (ciuic_train/train/profiler.py): per cycle,
+    `wait` steps untraced, `warmup` traced and dropped, `active` recorded; `repeat` cycles
+    (0: until the run ends). One trace per rank and cycle in RUN/profile/."""
+
+    enabled: bool = False
+    wait: int = 5
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    # Record tensor shapes with each operator (grouped by them in the top-operator table).
+    record_shapes: bool = True
+    # Allocations in the trace; on CUDA also a memory snapshot (RUN/profile/memory_rank<R>.pickle).
+    memory: bool = False
+    # Rows of the top-operator table rank 0 logs at the end (by self time).
+    top: int = 15
 
 
 @dataclass
@@ -254,6 +282,7 @@ class Config:
     logger: Dict[str, Any] = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -320,6 +349,20 @@ def _validate_tokenizer(data: DataConfig) -> None:
         raise UserError(f"data.chunk_mb={data.chunk_mb} must be positive")
 
 
+def _validate_profile(profile: ProfileConfig, max_steps: int) -> None:
+    for key in ("wait", "warmup", "repeat", "top"):
+        if getattr(profile, key) < 0:
+            raise UserError(f"profile.{key}={getattr(profile, key)} must be 0 or more")
+    if profile.active < 1:
+        raise UserError(f"profile.active={profile.active} must be at least 1")
+    cycle = profile.wait + profile.warmup + profile.active
+    if profile.enabled and cycle > max_steps:
+        raise UserError(
+            f"profile.wait+warmup+active={cycle} steps exceed train.max_steps={max_steps}: no trace would be "
+            "written; lower profile.wait or profile.active"
+        )
+
+
 def validate(config: Config) -> None:
     """Cross-field checks that a schema cannot express."""
     train = config.train
@@ -334,6 +377,10 @@ def validate(config: Config) -> None:
         raise UserError(f"train.max_skipped_steps={train.max_skipped_steps} must be at least 1")
     if train.spike_factor != 0 and train.spike_factor <= 1:
         raise UserError(f"train.spike_factor={train.spike_factor} must be above 1, or 0 (off)")
+    if train.straggler_factor != 0 and train.straggler_factor <= 1:
+        raise UserError(f"train.straggler_factor={train.straggler_factor} must be above 1, or 0 (off)")
+    if train.straggler_windows < 1:
+        raise UserError(f"train.straggler_windows={train.straggler_windows} must be at least 1")
     if train.spike_window < 1:
         raise UserError(f"train.spike_window={train.spike_window} must be at least 1")
     if train.grad_clip < 0:
@@ -352,6 +399,7 @@ def validate(config: Config) -> None:
         raise UserError(
             f"train.seq_len={train.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"
         )
+    _validate_profile(config.profile, train.max_steps)
     if not 0.0 < config.data.val_fraction < 1.0:
         raise UserError(f"data.val_fraction={config.data.val_fraction} must be between 0 and 1")
     if config.data.name not in ("stdlib", "text", "tokens"):

@@ -292,3 +292,28 @@ def test_a_rank_that_hangs_on_its_way_out_prints_every_stack_and_exits_1():
     assert result.returncode == 1
     assert "Timeout (0:00:01)!" in result.stderr
     assert 'File "<string>", line 4 in <module>' in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_a_slowed_rank_is_named_a_straggler_and_each_rank_writes_its_profiler_trace(tmp_path, text_corpus):
+    """Rank 1 sleeps 0.4 s in each step (`fault.slow_rank`): metrics.jsonl shows it as the
+    slowest on every logged step and rank 0 warns once, naming it and its host; the
+    profiler writes one trace per rank of the same two steps."""
+    run_dir = tmp_path / "run"
+    result = torchrun(
+        "--nproc_per_node=2", "-m", "ciuic_train", *TINY, *corpus_args(text_corpus, tmp_path), "train.max_steps=6",
+        "train.log_every=1", "fault.slow_rank=1", "fault.slow_s=0.4", "train.straggler_windows=3",
+        "profile.enabled=true", "profile.wait=1", "profile.warmup=1", "profile.active=2", f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["slowest_rank"] for line in lines] == [1] * 6
+    assert all(line["step_s_max"] >= 0.4 > 1.5 * line["step_s_min"] for line in lines), lines
+    warnings = [line for line in (run_dir / "train.log").read_text().splitlines() if "is a straggler" in line]
+    assert len(warnings) == 1 and "rank 1 (" in warnings[0] and "3 logged steps in a row" in warnings[0], warnings
+    for rank in (0, 1):
+        (trace,) = (run_dir / "profile").glob(f"rank{rank}.*.pt.trace.json")
+        names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+        assert {"ProfilerStep#2", "ProfilerStep#3"} <= names
+        assert any(str(name).startswith("aten::") for name in names)

@@ -103,6 +103,8 @@ def test_the_deepseek_v2_lite_preset_is_the_published_curve():
     ("optim.step_fractions=[0.5,1.5]", "each between 0 and 1"),
     ("optim.step_factor=0", "optim.step_factor=0.0 must be above 0"),
     ("train.mtp_loss_weight=-1", "train.mtp_loss_weight=-1.0 must be positive"),
+    ("train.straggler_factor=0.5", "train.straggler_factor=0.5 must be above 1, or 0 (off)"),
+    ("train.straggler_windows=0", "train.straggler_windows=0 must be at least 1"),
 ])
 def test_bad_schedule_and_mtp_settings_are_user_errors(override, message):
     with pytest.raises(UserError, match=re.escape(message)):
@@ -415,3 +417,31 @@ def test_tf32_is_the_cuda_default_for_fp32_and_a_key_turns_it_off(tmp_path, text
         assert matmul.allow_tf32 is False
     finally:
         matmul.allow_tf32 = before
+
+
+def test_the_profiler_writes_a_trace_of_the_active_steps_and_logs_the_top_operators(tmp_path, text_corpus, caplog):
+    """profile.wait=1 warmup=1 active=2 over 5 steps: one Chrome trace in RUN/profile/ whose
+    steps are the recorded two and whose events are the training step's operators."""
+    trainer = tiny_trainer(tmp_path, text_corpus, "profile.enabled=true", "profile.wait=1", "profile.warmup=1",
+                           "profile.active=2", "train.max_steps=5", "sample.max_new_tokens=0")
+    with caplog.at_level("INFO", logger="ciuic_train"):
+        trainer.fit()
+    (trace,) = (tmp_path / "profile").glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {event.get("name", "") for event in events}
+    assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#1" not in names
+    assert {"aten::mm", "aten::bmm", "aten::addmm", "aten::linear"} & names, sorted(names)[:50]
+    (table,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile: 1 trace(s) per rank")]
+    assert "Self CPU" in table and "aten::" in table
+
+
+def test_no_profiler_runs_unless_asked_and_a_cycle_longer_than_the_run_is_refused(tmp_path, text_corpus, monkeypatch):
+    import torch.profiler
+
+    monkeypatch.setattr(torch.profiler, "profile", lambda *a, **k: pytest.fail("a profiler was created"))
+    tiny_trainer(tmp_path, text_corpus, "train.max_steps=2", "sample.max_new_tokens=0").fit()
+    assert not (tmp_path / "profile").exists()
+    with pytest.raises(UserError, match=r"^profile.wait\+warmup\+active=9 steps exceed train.max_steps=4: no trace"):
+        compose_config("profile.enabled=true", "train.max_steps=4")
+    with pytest.raises(UserError, match=r"^profile.active=0 must be at least 1$"):
+        compose_config("profile.active=0")

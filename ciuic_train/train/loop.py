@@ -6,8 +6,9 @@
   run after the current step, agreed by every rank;
 - `LossWatch`: every step's one agreement between ranks (its loss, whether it is finite,
   a stop signal), the non-finite guard and the loss-spike warning;
-- `inject_fault`, `poison_loss`, `cap_address_space`: a rank that kills itself, whose
-  loss is NaN, or that runs out of memory, on purpose, to rehearse recovery.
+- `inject_fault`, `poison_loss`, `cap_address_space`, `slow_down`: a rank that kills
+  itself, whose loss is NaN, that runs out of memory, or that is slow, on purpose, to
+  rehearse recovery and the warnings.
 """
 
 from __future__ import annotations
@@ -248,6 +249,12 @@ def inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
 def poison_loss(fault: FaultConfig, rank: int, step: int, loss):
     """The loss, or NaN in its place on rank `fault.nan_rank` in step `fault.nan_at_step` (1-based)."""
     return loss * float("nan") if rank == fault.nan_rank and step == fault.nan_at_step else loss
+
+
+def slow_down(fault: FaultConfig, rank: int) -> None:
+    """On rank `fault.slow_rank`, sleep `fault.slow_s` seconds: a step that takes longer there."""
+    if rank == fault.slow_rank:
+        time.sleep(fault.slow_s)
 
 
 def cap_address_space(fault: FaultConfig, rank: int, step: int) -> None:

@@ -17,8 +17,9 @@ One optimizer step (`Trainer.train_step`):
     if finite: optimizer step; MoE: one balancing step from the tokens each expert received
     else: no update; stop the run, or skip the step (train.on_nonfinite)
 
-The run (`Trainer.fit`): steps until `train.max_steps`; after each, evaluate, log and
-save (<- tricks.should_save) when `Cadence` says so; a stop signal (`StopRequest`)
+The run (`Trainer.fit`): steps until `train.max_steps`; after each, the profiler's step
+(`profile.*`: ciuic_train/train/profiler.py), then evaluate, log and save
+(<- tricks.should_save) when `Cadence` says so; a stop signal (`StopRequest`)
 saves and ends the run after the current step. A non-finite step never reaches the
 weights, so no checkpoint ever holds them.
 
@@ -73,9 +74,12 @@ from ciuic_train.train.loop import (
     cap_address_space,
     inject_fault,
     poison_loss,
+    slow_down,
 )
 from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.train.optim import LrSchedule, build_optimizer
+from ciuic_train.train.profiler import profiled_steps
+from ciuic_train.train.stragglers import StepTimes
 from ciuic_train.train.trackers import Trackers
 from ciuic_train.tricks import TrickContext, build_tricks
 
@@ -162,6 +166,7 @@ class Trainer:
         self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum * world
         self.cadence = Cadence(train, config.ckpt, self.tricks.should_save)
         self.watch = LossWatch(train, self.parallel.is_main)
+        self.step_times = StepTimes(train, self.parallel)
         self.step = 0
         self.checkpointer = Checkpointer(run_dir / "checkpoints", rank, world, config.ckpt.keep_last)
         if self.resumed_from is not None:
@@ -238,6 +243,7 @@ class Trainer:
         Raises RunFailed when a non-finite step ends the run (`train.on_nonfinite`).
         """
         train = self.config.train
+        self.step_times.start()
         lr = self.tricks.lr_at(self.step, self.lr_schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -249,7 +255,8 @@ class Trainer:
         # On a step that logs it, the gradients are averaged by hand after backward, next to each rank's own.
         measure_consistency = train.log_grad_consistency and self.cadence.logs(self.step + 1, False, False)
         for i, weight in enumerate(weights):
-            inputs, targets = self._batch(self.sampler.next_indices(train.batch_size), self.data.train)
+            with self.step_times.fetching_data():
+                inputs, targets = self._batch(self.sampler.next_indices(train.batch_size), self.data.train)
             sync = i == len(weights) - 1 and not measure_consistency
             with grad_sync(self.wrapped_model, self.parallel.strategy, enabled=sync):
                 loss = self.tricks.transform_loss(self._loss(inputs, targets), self.step)
@@ -266,6 +273,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm)
         total_weight = sum(weights)
         side_losses = {name: value / total_weight for name, value in side_sums.items()}
+        slow_down(self.config.fault, self.parallel.info.rank)
+        self.step_times.reached_agreement(exact=self.cadence.logs(self.step + 1, False, False))
         check = self.watch.agree(self.parallel, loss_sum / total_weight, grad_norm, stop.votes() if stop else [],
                                  side_losses)
         verdict = self.watch.judge(self.step + 1, check)
@@ -339,12 +348,13 @@ class Trainer:
         rank = self.parallel.info.rank
         self.wrapped_model.train()
         with ProgressDisplay(self.config.train.max_steps, self.config.progress.value, enabled=is_main) as progress, \
-                StopRequest() as stop:
+                StopRequest() as stop, profiled_steps(self.config.profile, self.run_dir, rank, self.device) as profiled:
             progress.advance(self.step)
             while self.step < self.config.train.max_steps:
                 cap_address_space(self.config.fault, rank, self.step + 1)
                 with self.memory.during(f"step {self.step + 1}"):
                     figures = self.train_step(stop)
+                profiled()
                 throughput.count_step()
                 if figures["applied"]:
                     losses_since_log.append(figures["loss"])
@@ -398,6 +408,7 @@ class Trainer:
             "elapsed_s": throughput.elapsed_s(),
             **({"val_loss": val_loss} if val_loss is not None else {}),
             "checkpoints": self.checkpointer.saves + saving,  # this step's included
+            **self.step_times.share(),  # a collective: every rank logs this step
             **self.watch.metrics(),
             **self.tricks.metrics(),
         }
