@@ -181,3 +181,67 @@ def test_a_large_corpus_trains_in_the_memory_of_a_small_one(tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
         (peaks[name],) = json.loads((tmp_path / name / "run" / "summary.json").read_text())["peak_memory_bytes_per_rank"]
     assert peaks["large"] - peaks["small"] < 64 * 2**20, peaks
+
+
+def test_a_corpus_in_shards_gives_the_windows_of_the_same_tokens_in_one_file(tmp_path):
+    """train_0..train_10.bin (natural order, one of them empty) and val_*.bin: the same
+    windows, batches, vocabulary and entropy as train.bin/val.bin holding the same tokens,
+    windows spanning two shards included; without val shards the tail is held out lazily."""
+    from ciuic_train.data.shards import TokenShards
+
+    rng = np.random.default_rng(1)
+    ids, val_ids = rng.integers(0, 300, 5_000, dtype=np.uint16), rng.integers(0, 300, 700, dtype=np.uint16)
+    one, sharded, no_val = tmp_path / "one", tmp_path / "sharded", tmp_path / "no_val"
+    for folder in (one, sharded, no_val):
+        folder.mkdir()
+    ids.tofile(one / "train.bin")
+    val_ids.tofile(one / "val.bin")
+    cuts = [0, 700, 700, 1_234, 2_000, 2_001, 2_500, 3_100, 3_900, 4_000, 4_500, 5_000]  # shard 1 empty
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        ids[a:b].tofile(sharded / f"train_{i}.bin")
+        ids[a:b].tofile(no_val / f"train_{i}.bin")
+    val_ids[:300].tofile(sharded / "val_0.bin")
+    val_ids[300:].tofile(sharded / "val_1.bin")
+    whole = load_tokens(DataConfig(name="tokens", path=str(one)))
+    split = load_tokens(DataConfig(name="tokens", path=str(sharded)))
+    assert isinstance(split.train, TokenShards) and len(split.train.parts) == 10 and len(split.train) == 5_000
+    assert "11 train / 2 val shards" in split.description
+    assert split.vocab_size == whole.vocab_size and split.train.dtype == np.uint16
+    assert unigram_entropy(split.train, 300) == pytest.approx(unigram_entropy(whole.train, 300), rel=1e-12)
+    windows = torch.arange((len(ids) - 1) // 64)  # every window, those across a boundary too
+    for got, expected in zip(get_batch(split.train, windows, 64), get_batch(whole.train, windows, 64)):
+        assert torch.equal(got, expected)
+    assert torch.equal(get_batch(split.val, torch.arange(10), 64)[1], get_batch(whole.val, torch.arange(10), 64)[1])
+    held_out = load_tokens(DataConfig(name="tokens", path=str(no_val), val_fraction=0.1))
+    assert len(held_out.train) == 4_500 and isinstance(held_out.train, TokenShards)
+    assert np.array_equal(np.asarray(held_out.val), ids[4_500:])  # one shard's tail: a plain memmap slice
+    (one / "train_0.bin").write_bytes(ids[:10].tobytes())
+    with pytest.raises(UserError, match="holds both train.bin and train_\\*.bin shards"):
+        load_tokens(DataConfig(name="tokens", path=str(one)))
+
+
+def test_a_corpus_in_three_shards_trains_to_the_losses_of_one_file(tmp_path):
+    import json
+
+    from ciuic_train.train.trainer import Trainer
+    from conftest import compose_config
+
+    ids = np.random.default_rng(2).integers(0, 256, 40_000, dtype=np.uint16)
+    for name, cuts in (("one", [0, 36_000]), ("three", [0, 9_999, 20_000, 36_000])):
+        folder = tmp_path / name
+        folder.mkdir()
+        if name == "one":
+            ids[:36_000].tofile(folder / "train.bin")
+            ids[36_000:].tofile(folder / "val.bin")
+        else:
+            for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+                ids[a:b].tofile(folder / f"train_{i}.bin")
+            ids[36_000:].tofile(folder / "val_0.bin")
+        run = tmp_path / f"{name}_run"
+        run.mkdir()
+        Trainer(compose_config("model=tiny", "data=tokens", f"data.path={folder}", "train.seq_len=64",
+                               "train.max_steps=4", "train.log_every=1", "train.eval_windows=8",
+                               "sample.max_new_tokens=0"), run).fit()
+    losses = {name: [json.loads(line)["loss"] for line in (tmp_path / f"{name}_run" / "metrics.jsonl").read_text().splitlines()]
+              for name in ("one", "three")}
+    assert len(losses["one"]) == 4 and losses["three"] == losses["one"]

@@ -2,7 +2,8 @@
 
 Every corpus ends up in the nanoGPT layout: a folder holding `train.bin` and `val.bin`,
 flat token ids (uint16, or uint32 for a vocabulary beyond 65,536, as `tokens.json`
-beside them says). `data=tokens` is already that, and is opened where it is; text
+beside them says). `data=tokens` is already that (or shards `train_*.bin`, `val_*.bin`,
+read as one stream: `shards.py`), and is opened where it is; text
 (`data=stdlib`, `data=text`) is tokenized once into the cache (`token_cache.py`) and
 opened there. Which files make a corpus is `sources.py`'s; how windows are drawn from the
 ids, `sampler.py`'s.
@@ -19,6 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from ciuic_train.config import DataConfig
+from ciuic_train.data.shards import TokenShards
 from ciuic_train.data.sources import Sources, find_sources
 from ciuic_train.data.token_cache import cache_entry
 from ciuic_train.data.tokenizer import (
@@ -71,15 +73,27 @@ def load_tokens(cfg: DataConfig) -> TokenSplits:
 def _load_pretokenized(cfg: DataConfig, sources: Sources) -> TokenSplits:
     """data=tokens: ids as written by any tokenizer; data.tokenizer (a tokenizer.json) decodes samples."""
     dtype = _declared_dtype(cfg, sources.train[0].parent)
-    train = _open_bin(sources.train[0], dtype)
-    val = _open_bin(sources.val[0], dtype) if sources.val else None
+    train = _open_split(sources.train, dtype)
+    val = _open_split(sources.val, dtype) if sources.val else None
     if val is None:
         train, val = _tail_split(train, sources.tail_fraction)
     vocab = max(int(chunk.max(initial=0)) for split in (train, val) for chunk in chunks(split)) + 1
     tokenizer = ByteTokenizer() if cfg.tokenizer == BYTES else load_tokenizer_file(cfg.tokenizer)
     if cfg.tokenizer != BYTES:
         vocab = max(vocab, tokenizer.vocab_size)
-    return TokenSplits(train, val, vocab, f"tokens {cfg.path} ({dtype})", tokenizer)
+    shards = f", {len(sources.train)} train / {len(sources.val)} val shards" if len(sources.train) > 1 else ""
+    return TokenSplits(train, val, vocab, f"tokens {cfg.path} ({dtype}{shards})", tokenizer)
+
+
+def _open_split(paths: list[Path], dtype: str):
+    """One file's memmap, or shards read as one stream (`TokenShards`; an empty shard is
+    left out, a shard that is not whole tokens refused)."""
+    if len(paths) == 1:
+        return _open_bin(paths[0], dtype)
+    parts = [_open_bin(path, dtype, allow_empty=True) for path in paths]
+    if sum(len(part) for part in parts) < 2:
+        raise UserError(f"the shards {paths[0].parent}/{paths[0].name.split('_')[0]}_*.bin hold no tokens")
+    return TokenShards(parts)
 
 
 def _declared_dtype(cfg: DataConfig, folder: Path) -> str:
@@ -97,10 +111,12 @@ def _tail_split(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.nda
     return tokens[:-n_val], tokens[-n_val:]
 
 
-def _open_bin(path: Path, dtype: str = "uint16") -> np.ndarray:
+def _open_bin(path: Path, dtype: str = "uint16", allow_empty: bool = False) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
-    if size < 2 * itemsize:
+    if allow_empty and size == 0:
+        return np.empty(0, dtype=dtype)
+    if size < 2 * itemsize and not allow_empty:
         raise UserError(f"{path} holds no tokens")
     if size % itemsize:
         raise UserError(f"{path} is {size} bytes, not a whole number of {dtype} tokens; set data.dtype to its type")
@@ -129,6 +145,10 @@ def chunks(tokens: np.ndarray, size: int = CHUNK_TOKENS) -> Iterator[np.ndarray]
     """`tokens` a chunk at a time, for a pass over a whole split. Of a memory-mapped split,
     the pages each chunk read leave this process's resident memory after it (the page
     cache keeps them), so a pass over a corpus larger than the memory left still fits."""
+    if isinstance(tokens, TokenShards):
+        for part in tokens.parts:
+            yield from chunks(part, size)
+        return
     mapping = getattr(tokens, "_mmap", None)  # np.memmap's mapping (slices share their base's)
     base = np.frombuffer(mapping, dtype=np.uint8).ctypes.data if mapping is not None else 0
     for start in range(0, len(tokens), size):

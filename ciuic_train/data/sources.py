@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,28 @@ class Sources:
     tail_fraction: float = 0.0
 
 
+def _token_folder(cfg: DataConfig, folder: Path) -> Sources:
+    """nanoGPT's `train.bin` and `val.bin`, or shards `train_*.bin` (and `val_*.bin`; without
+    them the tail of the training shards is held out), in natural order: train_2 before train_10."""
+    single = folder / "train.bin"
+    shards = sorted(folder.glob("train_*.bin"), key=_natural_key)
+    if single.is_file() and shards:
+        raise UserError(f"data.path={cfg.path} holds both train.bin and train_*.bin shards; keep one layout")
+    if shards:
+        val = sorted(folder.glob("val_*.bin"), key=_natural_key)
+        return Sources("tokens", shards, val, tail_fraction=0.0 if val else cfg.val_fraction)
+    missing = [p.name for p in (single, folder / "val.bin") if not p.is_file()]
+    if missing:
+        raise UserError(
+            f"data.path={cfg.path} is a folder without {' and '.join(missing)} (or train_*.bin shards)"
+        )
+    return Sources("tokens", [single], [folder / "val.bin"])
+
+
+def _natural_key(path: Path) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+
+
 def find_sources(cfg: DataConfig) -> Sources:
     """Resolve the configured corpus into files, failing with a clear message if there are none
     (or if the tokenizer named is not there)."""
@@ -58,11 +81,7 @@ def find_sources(cfg: DataConfig) -> Sources:
     if cfg.name == "tokens":
         path = Path(cfg.path).expanduser()
         if path.is_dir():
-            train, val = path / "train.bin", path / "val.bin"
-            missing = [p.name for p in (train, val) if not p.is_file()]
-            if missing:
-                raise UserError(f"data.path={cfg.path} is a folder without {' and '.join(missing)}")
-            return Sources("tokens", [train], [val])
+            return _token_folder(cfg, path)
         if path.is_file():
             return Sources("tokens", [path], [], tail_fraction=cfg.val_fraction)
         raise UserError(f"data.path={cfg.path} does not exist (expected a folder with train.bin/val.bin or a .bin file)")
