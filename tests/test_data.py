@@ -245,3 +245,36 @@ def test_a_corpus_in_three_shards_trains_to_the_losses_of_one_file(tmp_path):
     losses = {name: [json.loads(line)["loss"] for line in (tmp_path / f"{name}_run" / "metrics.jsonl").read_text().splitlines()]
               for name in ("one", "three")}
     assert len(losses["one"]) == 4 and losses["three"] == losses["one"]
+
+
+def test_tokenizing_reports_progress_in_a_log_and_on_a_terminal(tmp_path, monkeypatch, caplog):
+    """A log gets a plain line every PLAIN_EVERY_S seconds (0 here: one per chunk), the last
+    at 100%; a terminal gets rich's bar instead; work quicker than that prints nothing."""
+    import io
+
+    from rich.console import Console
+
+    from ciuic_train import progress
+    from ciuic_train.data.corpus import load_tokens
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"f{i}.txt").write_text(("some text to tokenize, line by line\n" * 2000) + f"file {i}\n")
+    config = DataConfig(name="text", path=str(corpus), cache_dir=str(tmp_path / "cache"), chunk_mb=0.02)
+    monkeypatch.setattr(progress, "PLAIN_EVERY_S", 0.0)
+    with caplog.at_level("INFO", logger="ciuic_train"):
+        load_tokens(config)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing 3 files: ")]
+    assert len(lines) > 3 and "(100%)" in lines[-1] and "/s, about 0 s left" in lines[-1], lines
+
+    screen = io.StringIO()
+    with progress.WorkProgress("writing", 4096, console=Console(file=screen, force_terminal=True, width=100)) as bar:
+        for _ in range(4):
+            bar.advance(1024)
+    assert "writing" in screen.getvalue() and bar.done == 4096
+    monkeypatch.setattr(progress, "PLAIN_EVERY_S", 30.0)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ciuic_train"):
+        load_tokens(DataConfig(name="text", path=str(corpus), cache_dir=str(tmp_path / "cache2")))
+    assert not [r for r in caplog.records if "tokenizing 3 files" in r.getMessage()]

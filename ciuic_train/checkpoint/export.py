@@ -36,6 +36,7 @@ from ciuic_train.checkpoint.resume import read_meta, resolve_resume
 from ciuic_train.errors import UserError
 from ciuic_train.files import written_atomically
 from ciuic_train.model.config import ModelConfig
+from ciuic_train.progress import WorkProgress
 
 if TYPE_CHECKING:
     from ciuic_train.model import Transformer
@@ -153,10 +154,12 @@ def write_hf_folder(model: Transformer, out: Path, max_file_size: int, generatio
         files = [WEIGHTS_FILE] if len(groups) == 1 else [
             f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)
         ]
-        for file, group in zip(files, groups):
-            # Copies (MTP layers' embedding and head) must not share memory within a file.
-            save_file({name: tensors[name].clone() if is_mtp_copy(name) else tensors[name] for name in group},
-                      tmp / file, metadata={"format": "pt"})
+        with WorkProgress(f"writing {len(files)} safetensors file(s)", sum(sizes.values())) as progress:
+            for file, group in zip(files, groups):
+                # Copies (MTP layers' embedding and head) must not share memory within a file.
+                save_file({name: tensors[name].clone() if is_mtp_copy(name) else tensors[name] for name in group},
+                          tmp / file, metadata={"format": "pt"})
+                progress.advance(sum(sizes[name] for name in group))
         if len(groups) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())},
                      "weight_map": {name: file for file, group in zip(files, groups) for name in group}}

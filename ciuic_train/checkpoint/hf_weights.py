@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ciuic_train.checkpoint.hf_config import read_config_json, topk_method
 from ciuic_train.errors import UserError
+from ciuic_train.launch.paths import launcher_rank
 from ciuic_train.model.config import ModelConfig
+from ciuic_train.progress import WorkProgress
 
 if TYPE_CHECKING:
     import torch
@@ -244,7 +246,9 @@ def load_hf_weights(model: Transformer, folder: Path, locate: Callable[[torch.Te
     locate = locate or whole_rows
     files, sources = plan_load(model, folder)
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    with _OpenFiles() as opened, torch.no_grad():
+    total = sum(rows.local.numel() * rows.local.element_size() for rows in (locate(targets[o]) for o in sources))
+    with _OpenFiles() as opened, torch.no_grad(), \
+            WorkProgress(f"reading {folder.name}", total, enabled=launcher_rank() == 0) as progress:
         # File by file: a published checkpoint has many, together the size of the model.
         for ours, names in sorted(sources.items(), key=lambda entry: str(files[entry[1][0]])):
             handles = opened.only({files[name] for name in names})
@@ -253,6 +257,7 @@ def load_hf_weights(model: Transformer, folder: Path, locate: Callable[[torch.Te
                 _copy_rows(handles[files[names[0]]], names[0], rows)
             else:
                 _copy_experts(ours, [(handles[files[name]], name) for name in names], rows)
+            progress.advance(rows.local.numel() * rows.local.element_size())
 
 
 class _OpenFiles:

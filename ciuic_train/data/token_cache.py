@@ -45,6 +45,7 @@ from ciuic_train.data.tokenizer import (
 )
 from ciuic_train.files import write_json_atomic
 from ciuic_train.launch.paths import launcher_rank
+from ciuic_train.progress import WorkProgress
 
 log = logging.getLogger("ciuic_train")
 
@@ -165,10 +166,14 @@ def _write_tokens(sources: Sources, tokenizer: Tokenizer, folder: Path, chunk_by
     tail of the training tokens. Returns the token counts."""
     chunks = _chunks(sources, chunk_bytes)
     dtype = np.dtype(tokenizer.dtype)
-    with (folder / "train.bin").open("wb") as train, (folder / "val.bin").open("wb") as val:
+    total = sum(end - start for _, _, start, end in chunks)
+    with (folder / "train.bin").open("wb") as train, (folder / "val.bin").open("wb") as val, \
+            WorkProgress(f"tokenizing {len(sources.train) + len(sources.val)} files", total,
+                         enabled=launcher_rank() == 0) as progress:
         outputs = {"train": train, "val": val}
-        for split, tokens in _tokenized(chunks, tokenizer, chunk_bytes, workers):
+        for (split, tokens), (_, _, start, end) in zip(_tokenized(chunks, tokenizer, chunk_bytes, workers), chunks):
             tokens.astype(dtype, copy=False).tofile(outputs[split])
+            progress.advance(end - start)
     if not sources.val:
         _move_tail(folder / "train.bin", folder / "val.bin", dtype, sources.tail_fraction)
     return {f"{split}_tokens": (folder / f"{split}.bin").stat().st_size // dtype.itemsize for split in ("train", "val")}
