@@ -153,8 +153,12 @@ EXIT_GRACE_S = 120
 def exit_within(seconds: float) -> None:
     """If this process is still running `seconds` from now, print every thread's stack
     to stderr and exit with status 1 (faulthandler's timer: a C thread, which needs
-    neither the GIL nor a responsive interpreter)."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
+    neither the GIL nor a responsive interpreter). A process that cannot start a thread
+    any more (out of memory, or of address space) goes without."""
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=True)
+    except RuntimeError:
+        log.debug("no exit watchdog: its thread could not start")
 
 
 def local_address() -> str:
