@@ -243,9 +243,11 @@ stage_bench() {
     if [[ ${shm_gb:-0} -ge 40 ]]; then export TMPDIR=/dev/shm; fi
     cd "$WORK"
     echo "+ python scripts/bench.py ${args[*]} --datasheet-tflops $PEAK_TFLOPS"
-    "$PY" "$REPO/scripts/bench.py" "${args[@]}" --datasheet-tflops "$PEAK_TFLOPS" --json "$OUT_DIR/bench.json" |
-        tee "$WORK/bench.out"
-    [[ ${PIPESTATUS[0]} == 0 ]] || { say "bench.py failed"; return 1; }
+    local rc=0
+    "$PY" "$REPO/scripts/bench.py" "${args[@]}" --datasheet-tflops "$PEAK_TFLOPS" --json "$OUT_DIR/bench.json" \
+        >"$WORK/bench.out" 2>&1 || rc=$?
+    cat "$WORK/bench.out"
+    [[ $rc == 0 ]] || { say "bench.py failed (exit $rc): $(tail -1 "$WORK/bench.out" | head -c 200)"; return 1; }
     say "$(grep -m1 '^summary: ' "$WORK/bench.out" | sed 's/^summary: //')"
 }
 
@@ -315,12 +317,14 @@ else
 fi
 
 status=$FATAL
+for stage in "${STAGES[@]}"; do
+    if [[ ${VERDICT[$stage]} != PASS && $status == 0 ]]; then status=1; fi
+done
 {
     echo "gpu_check.sh$([[ $DRY_RUN == 1 ]] && echo " --dry-run") summary: $(date -u +%Y-%m-%dT%H:%M:%SZ)," \
         "tree $(tree_hash), $(($(date +%s) - START))s of a ${BUDGET_S}s budget"
     for stage in "${STAGES[@]}"; do
         printf '%-10s %-8s %4ss  %s\n' "$stage" "${VERDICT[$stage]}" "${TOOK[$stage]}" "$(line_of "$stage")"
-        if [[ ${VERDICT[$stage]} != PASS && $status == 0 ]]; then status=1; fi
     done
 } | tee "$OUT_DIR/summary.txt"
 exit "$status"

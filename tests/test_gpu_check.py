@@ -42,6 +42,15 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
         "bench.json", "gpu_check.log", "summary.txt", "test_gpu.xml"
     ]
 
+    # Without a GPU the real run says so in its env stage, runs on, and exits 1.
+    real = subprocess.run(["bash", str(SCRIPT)], env={**env, "OUT": str(tmp_path / "real"), "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=600)
+    found = stages(tmp_path / "real" / "summary.txt")
+    assert real.returncode == 1, real.stdout[-3000:]
+    assert found["env"][0] == "FAIL(1)" and "torch sees no CUDA device" in found["env"][1]
+    assert found["install"][0] == "PASS" and found["ranks"][0] == "FAIL(1)"
+    assert found["bench"][0] == "FAIL(1)" and found["bench"][1].startswith("bench.py failed (exit 1): ")
+
     # A GPU run refuses wheels built from another tree (here: SOURCE says so) in one line.
     source = REPO / ".whl" / "SOURCE"
     built = source.read_text()
