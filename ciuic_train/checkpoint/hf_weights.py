@@ -246,13 +246,14 @@ def load_hf_weights(model: Transformer, folder: Path, locate: Callable[[torch.Te
     locate = locate or whole_rows
     files, sources = plan_load(model, folder)
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    total = sum(rows.local.numel() * rows.local.element_size() for rows in (locate(targets[o]) for o in sources))
+    held = {ours: locate(targets[ours]) for ours in sources}  # the rows this rank holds of each
+    total = sum(rows.local.numel() * rows.local.element_size() for rows in held.values())
     with _OpenFiles() as opened, torch.no_grad(), \
             WorkProgress(f"reading {folder.name}", total, enabled=launcher_rank() == 0) as progress:
         # File by file: a published checkpoint has many, together the size of the model.
         for ours, names in sorted(sources.items(), key=lambda entry: str(files[entry[1][0]])):
             handles = opened.only({files[name] for name in names})
-            rows = locate(targets[ours])
+            rows = held[ours]
             if len(names) == 1:
                 _copy_rows(handles[files[names[0]]], names[0], rows)
             else:

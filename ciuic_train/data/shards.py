@@ -11,6 +11,9 @@ one text file and the start of the next in a text corpus.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import numpy as np
 
 
@@ -18,10 +21,10 @@ class TokenShards:
     def __init__(self, parts: list[np.ndarray]):
         self.parts = [part for part in parts if len(part)]
         self.dtype = parts[0].dtype
-        self.ends = np.cumsum([len(part) for part in self.parts])
+        self.ends = list(itertools.accumulate(len(part) for part in self.parts))  # each part's end in the stream
 
     def __len__(self) -> int:
-        return int(self.ends[-1]) if len(self.ends) else 0
+        return self.ends[-1] if self.ends else 0
 
     def __getitem__(self, key: slice):
         """The tokens in `key` (a slice with step 1): one shard's memmap slice where they lie
@@ -31,11 +34,14 @@ class TokenShards:
         start, stop, step = key.indices(len(self))
         if step != 1:
             raise ValueError("TokenShards slices take step 1")
+        # From the part holding `start` (a window per batch row: found by bisection, not by
+        # walking every shard) to the one holding `stop`.
         pieces = []
-        for part, end in zip(self.parts, self.ends.tolist()):
-            first = end - len(part)
-            if max(start, first) < min(stop, end):
-                pieces.append(part[max(start, first) - first : min(stop, end) - first])
+        for i in range(bisect.bisect_right(self.ends, start), len(self.parts)):
+            first = self.ends[i] - len(self.parts[i])
+            if first >= stop:
+                break
+            pieces.append(self.parts[i][start - first if start > first else 0 : min(stop, self.ends[i]) - first])
         if not pieces:
             return np.empty(0, dtype=self.dtype)
         return pieces[0] if len(pieces) == 1 else TokenShards(pieces)

@@ -133,20 +133,20 @@ class Parallel:
         held and both wait forever (seen with torch 2.13: a rank hung after finishing).
         Sleeping releases the GIL so the worker can drain first.
 
-        A rank runs one job, so its process ends soon after this; should it hang on the
-        way out instead (a thread or a destructor stuck), `exit_within` turns that into
+        A rank runs one job, so its process ends soon after the group is destroyed; should
+        it hang on the way out instead (a thread or a destructor stuck), `exit_within` turns that into
         every thread's stack on stderr and exit status 1, not an allocation held forever.
         """
         if self.group_started and dist.is_initialized():
-            exit_within(EXIT_GRACE_S)
             if clean:
-                dist.barrier()
+                dist.barrier()  # waits for the slowest rank, within dist.timeout_s
                 time.sleep(0.2)
+            exit_within(EXIT_GRACE_S)
             dist.destroy_process_group()
             self.group_started = False
 
 
-# How long a rank's process may take to end once its process group is being closed.
+# How long a rank's process may take to end once it starts destroying its process group.
 EXIT_GRACE_S = 120
 
 
