@@ -53,6 +53,16 @@ class Backend(Enum):
     nccl = "nccl"
 
 
+# torch.distributed.pipelining's schedules (ciuic_train/distributed/pipeline.py): gpipe and
+# 1f1b run one stage per rank; interleaved_1f1b several (dist.pp_stages_per_rank), in a
+# loop; zbv and dualpipev two per rank in a V, the first and last stages on rank 0. Built
+# by the functional API because a member's name is what a config spells, and "1f1b" is no
+# identifier.
+PipelineSchedule = Enum(
+    "PipelineSchedule", [(name, name) for name in ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")]
+)
+
+
 class Schedule(Enum):
     """The learning rate after warmup: `cosine` decays from the peak to optim.min_lr_ratio
     over the rest of the run; `wsd` (warmup-stable-decay) stays at the peak and decays
@@ -196,6 +206,15 @@ class DistConfig:
     # so smaller ones hide more of the all-reduce behind backward on a slow link
     # (docs/bench/README.md, "DDP across two emulated hosts"). 25 is torch's default.
     ddp_bucket_mb: float = 25.0
+    # Pipeline parallelism (ciuic_train/distributed/pipeline.py): the layers split over `pp`
+    # ranks, outermost in the mesh. Each `train.batch_size` batch runs through the schedule
+    # as `pp_microbatches` micro-batches (0: one per stage); `pp_layers` lists the layers of
+    # each stage (empty: split so the stages' FLOPs balance, the head's and MTP's counted).
+    pp: int = 1
+    pp_schedule: PipelineSchedule = PipelineSchedule["1f1b"]
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 1
+    pp_layers: List[int] = field(default_factory=list)
     # >1: `ciuic-train` starts this many workers itself through torch's elastic launcher
     # (as torchrun would); under torchrun it is ignored and the environment decides.
     nproc_per_node: int = 1
@@ -434,5 +453,8 @@ def validate(config: Config) -> None:
         raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
     check_tricks(config.trick)
     check_loggers(config.logger)
+    from ciuic_train.distributed.pipeline_split import check_pipeline  # the package needs this module first
+
+    check_pipeline(config)
     if config.sample.temperature <= 0:
         raise UserError(f"sample.temperature={config.sample.temperature} must be positive")

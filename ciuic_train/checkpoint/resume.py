@@ -64,7 +64,8 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 def run_fingerprint(model_config, trick_names: list[str], world_size: int) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed: model shape and tricks; and the
-    world size, which may differ where the state is reshardable (`check_resumable`).
+    world size (the ranks that see different data), which may differ where the state is
+    reshardable (`check_resumable`).
 
     Fields that change only how the model is computed (`model.kernels`) are left out, and
     so is the mesh: DCP reshards tensors to any layout.
@@ -81,13 +82,19 @@ def check_resumable(meta: dict[str, Any], expected: dict[str, Any], allow_trick_
         saved = saved_model.get(key, predated.get(key))
         if saved != model[key]:
             raise UserError(f"checkpoint model differs: model.{key} is {saved!r} there, {model[key]!r} now")
-    if meta["world_size"] != expected["world_size"]:
+    if data_world(meta) != expected["world_size"]:
         _check_reshardable(meta, expected["world_size"])
     if meta["tricks"] != expected["tricks"] and not allow_trick_change:
         raise UserError(
             f"checkpoint tricks {meta['tricks']} differ from this run's {expected['tricks']}; "
             "set ckpt.allow_trick_change=true to resume anyway"
         )
+
+
+def data_world(meta: dict[str, Any]) -> int:
+    """The shares of the data the checkpoint's run split its batches into: its world size,
+    but for a pipeline, whose stages see the same data."""
+    return meta.get("data_parallel_size", meta["world_size"])
 
 
 def _check_reshardable(meta: dict[str, Any], world_size: int) -> None:
@@ -97,15 +104,15 @@ def _check_reshardable(meta: dict[str, Any], world_size: int) -> None:
     data position can when the windows consumed so far this epoch divide among the new
     ranks (`WindowSampler.global_position`). Tricks keep state per rank, which cannot.
     """
-    written = f"checkpoint was written by {meta['world_size']} ranks, this run has {world_size}"
+    written = f"checkpoint was written by {data_world(meta)} ranks, this run has {world_size}"
     if meta["tricks"]:
         raise UserError(
             f"{written}: the state of its tricks ({', '.join(meta['tricks'])}) is per rank and cannot be "
-            f"resharded; resume on {meta['world_size']} ranks"
+            f"resharded; resume on {data_world(meta)} ranks"
         )
     data = meta.get("data")
     if data is None:
-        raise UserError(f"{written}: it predates resharding (no data position); resume on {meta['world_size']} ranks")
+        raise UserError(f"{written}: it predates resharding (no data position); resume on {data_world(meta)} ranks")
     if data["windows"] % world_size:
         raise UserError(
             f"{written}: the {data['windows']} windows consumed in its epoch do not split evenly over "

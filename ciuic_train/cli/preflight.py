@@ -139,7 +139,8 @@ def _check_resume(config: Config, checkpoint: Path) -> None:
     from ciuic_train.checkpoint.resume import check_resumable, read_meta, run_fingerprint
 
     world_size, _ = expected_world(config.dist)
-    expected = run_fingerprint(config.model, list(config.trick), world_size)
+    # A pipeline's stages share their data: the world splits the data pp times less.
+    expected = run_fingerprint(config.model, list(config.trick), world_size // config.dist.pp)
     check_resumable(read_meta(checkpoint), expected, config.ckpt.allow_trick_change)
 
 

@@ -11,8 +11,14 @@ Three sizes describe a layout (`dist.dp_replicate`, `dist.dp_shard`, `dist.ep`):
   (as in torchtitan), so `ep` divides `dp_shard`; the `dp_shard / ep` ranks that hold the
   same experts ("efsdp") shard them further, as FSDP does any parameter.
 
-The torch mesh has the dimensions (dp_replicate, dp_shard); the experts see dp_shard
-split into (efsdp, ep).
+A pipeline (`dist.pp`, ciuic_train/distributed/pipeline.py) is the outermost dimension:
+`pp` groups of ranks each hold some of the layers, and the sizes above describe the data
+parallelism within each stage. Global rank = pp rank x (ranks per stage) + data rank.
+Inside a pipeline's stages only one rank per stage is built yet: `pp > 1` needs
+dp_replicate = dp_shard = ep = 1.
+
+The torch mesh has the dimensions (dp_replicate, dp_shard), or (pp,) for a pipeline; the
+experts see dp_shard split into (efsdp, ep).
 
 `resolve_mesh` and `refuse_comm_hook` need no torch, so the CLI checks a layout, and what
 needs DDP's gradient all-reduce on it, before anything starts.
@@ -41,9 +47,15 @@ class MeshShape:
     dp_replicate: int = 1
     dp_shard: int = 1
     ep: int = 1
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
+        return self.pp * self.data_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data: the ranks of one pipeline stage see the same."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -53,18 +65,20 @@ class MeshShape:
 
     @property
     def strategy(self) -> str:
-        """none (one process), ddp (replicas only), fsdp (shards only) or hsdp (both)."""
-        if self.world_size == 1:
+        """none (one process per stage), ddp (replicas only), fsdp (shards only) or hsdp (both)."""
+        if self.data_parallel_size == 1:
             return "none"
         if self.dp_shard == 1:
             return "ddp"
         return "fsdp" if self.dp_replicate == 1 else "hsdp"
 
     def describe(self) -> str:
-        return f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}, ep={self.ep}"
+        pipeline = f"pp={self.pp} x " if self.pp > 1 else ""
+        return f"{pipeline}dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}, ep={self.ep}"
 
     def as_dict(self) -> dict[str, int]:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "ep": self.ep}
+        pipeline = {"pp": self.pp} if self.pp > 1 else {}  # as before pipelines, where there is none
+        return {**pipeline, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "ep": self.ep}
 
 
 def expected_world(cfg: DistConfig, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
@@ -95,6 +109,8 @@ def resolve_mesh(cfg: DistConfig, world_size: int, local_world_size: int, n_rout
         value = getattr(cfg, key)
         if value < 1 and value != REST:
             raise UserError(f"dist.{key}={value} must be a positive number of ranks, or -1 for the rest")
+    if cfg.pp > 1:
+        return _pipeline_mesh(cfg, world_size)
     strategy = cfg.strategy.value
     if strategy == "none" and world_size > 1:
         raise UserError(
@@ -138,6 +154,23 @@ def resolve_mesh(cfg: DistConfig, world_size: int, local_world_size: int, n_rout
     if n_routed_experts % ep:
         raise UserError(f"dist.ep={ep} must divide model.n_routed_experts={n_routed_experts}")
     return MeshShape(replicate, shard, ep)
+
+
+def _pipeline_mesh(cfg: DistConfig, world_size: int) -> MeshShape:
+    """`dist.pp` stages of one rank each, over the whole world."""
+    if world_size != cfg.pp:
+        raise UserError(
+            f"dist.pp={cfg.pp} pipeline stages need {cfg.pp} ranks (one rank per stage), but the world size is "
+            f"{world_size}; run dist.nproc_per_node x nodes = {cfg.pp} ranks"
+        )
+    extra = {key: getattr(cfg, key) for key in ("dp_replicate", "dp_shard", "ep") if getattr(cfg, key) not in (1, REST)}
+    if extra or cfg.strategy.value not in ("auto", "none"):
+        asked = " ".join(f"dist.{k}={v}" for k, v in extra.items()) or f"dist.strategy={cfg.strategy.value}"
+        raise UserError(
+            f"dist.pp={cfg.pp} runs one rank per stage: data or expert parallelism inside the stages ({asked}) "
+            "is not built yet; use dist.pp=1 for it"
+        )
+    return MeshShape(pp=cfg.pp)
 
 
 def refuse_comm_hook(trick: str | None, shape: MeshShape, log_grad_consistency: bool = False) -> None:
@@ -187,7 +220,11 @@ class Mesh:
         self.device = device
         self.device_mesh: DeviceMesh | None = None
         self._expert_view: DeviceMesh | None = None
-        if shape.world_size > 1:
+        if shape.pp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.device_mesh = init_device_mesh(device.type, (shape.pp,), mesh_dim_names=("pp",))
+        elif shape.world_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             self.device_mesh = init_device_mesh(
@@ -212,6 +249,10 @@ class Mesh:
         if self.shape.dp_replicate > 1:
             return self._expert_view["dp_replicate", "efsdp"]
         return self._expert_view["efsdp"]
+
+    def pipeline(self) -> DeviceMesh:
+        """The ranks of one pipeline, a rank per stage."""
+        return self.device_mesh["pp"]
 
     def replicas(self) -> DeviceMesh:
         """DDP's ranks (dp_shard=1: every rank)."""

@@ -55,10 +55,13 @@ def param_checksum(model: nn.Module, gather: Callable[[str], list[str]] | None =
         mine[name] = (rows.global_shape[0], rows.start, [hashlib.sha256(row.tobytes()).hexdigest()[:32] for row in flat])
     everyone = [json.loads(part) for part in gather(json.dumps(mine))] if gather else [mine]
     digest = hashlib.sha256()
-    for name in mine:
-        n_rows = mine[name][0]
+    # Every name any rank holds: a pipeline's stages hold different parameters.
+    for name in sorted({name for held in everyone for name in held}):
+        n_rows = next(held[name][0] for held in everyone if name in held)
         row_hashes: list[str | None] = [None] * n_rows
         for rank, held in enumerate(everyone):
+            if name not in held:
+                continue
             _, start, hashes = held[name]
             for row, value in enumerate(hashes, start):
                 if row_hashes[row] not in (None, value):

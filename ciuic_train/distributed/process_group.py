@@ -90,6 +90,20 @@ class Parallel:
         return self.info.world_size
 
     @property
+    def data_world(self) -> int:
+        """Ranks that see different data (the world, but for a pipeline's stages, which share theirs)."""
+        return self.mesh.shape.data_parallel_size
+
+    @property
+    def data_rank(self) -> int:
+        """Which of the `data_world` shares of the data this rank sees (pp is outermost)."""
+        return self.info.rank % self.data_world
+
+    @property
+    def pp_rank(self) -> int:
+        return self.info.rank // self.data_world
+
+    @property
     def is_main(self) -> bool:
         return self.info.is_main
 

@@ -56,3 +56,22 @@ def training_flops_per_token(model: Transformer, seq_len: int) -> float:
     attention = 6 * (cfg.n_layers + cfg.n_mtp_layers) * cfg.n_heads * (qk_dim + cfg.v_head_dim) * seq_len
     return 6 * matmul_params + attention
 
+
+
+def pipeline_costs(model: Transformer, seq_len: int) -> tuple[list[float], float, float]:
+    """Training FLOPs per token of each main layer, of what only the first pipeline stage
+    runs besides its layers (the embedding: a lookup, 0) and of what the last stage runs
+    (the head's matmul and each MTP depth's block and head), for a balanced split."""
+    cfg = model.config
+    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    attention = 6 * cfg.n_heads * (qk_dim + cfg.v_head_dim) * seq_len
+
+    def block_flops(block) -> float:
+        params = sum(p.numel() for p in block.parameters())
+        if isinstance(block.ffn, MoE):
+            params -= _inactive_expert_parameters([block.ffn])
+        return 6 * params + attention
+
+    head = 6 * model.lm_head.weight.numel()
+    last = head + sum(block_flops(depth.block) + head for depth in model.mtp)
+    return [block_flops(block) for block in model.layers], 0.0, float(last)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ciuic_train.model.attention import causal_attention
-from ciuic_train.model.block import Block
+from ciuic_train.model.block import Block, LayerStack
 from ciuic_train.model.common import IGNORE_INDEX, Kernels, grouped_swiglu
 from ciuic_train.model.config import ModelConfig
 from ciuic_train.model.init import ParameterInit
@@ -47,6 +47,19 @@ from ciuic_train.model.rope import rope_tables
 def lm_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
     """Cross-entropy, in fp32, of the logits h @ weight^T [N, vocab] against targets [N]."""
     return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def balance_terms(blocks: list[Block]) -> list[torch.Tensor]:
+    """The weighted balance losses of the last training forward of `blocks`' MoE layers."""
+    return [term for block in blocks if isinstance(block.ffn, MoE) for term in block.ffn.balance_loss.values()]
+
+
+def with_gradient_of(value: torch.Tensor, terms: list[torch.Tensor]) -> torch.Tensor:
+    """`value`, unchanged, carrying the gradient of the sum of `terms` as well."""
+    if not terms:
+        return value
+    total = torch.stack(terms).sum()
+    return value + (total - total.detach())  # adds their gradient, and exactly 0
 
 
 REFERENCE = Kernels(rms_norm, causal_attention, grouped_swiglu, lm_cross_entropy)
@@ -70,8 +83,8 @@ class Transformer(nn.Module):
         self.config = cfg
         self.kernels = kernels_for(cfg.kernels)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(
-            Block(cfg, use_moe=i >= cfg.n_dense_layers, kernels=self.kernels) for i in range(cfg.n_layers)
+        self.layers = LayerStack(
+            {i: Block(cfg, use_moe=i >= cfg.n_dense_layers, kernels=self.kernels) for i in range(cfg.n_layers)}
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.kernels.rms_norm)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -141,20 +154,29 @@ class Transformer(nn.Module):
         h = self.norm(self.trunk(idx))  # [B, T, dim]
         if targets is None:
             return self.lm_head(h)
+        return self.head_loss(h, idx, targets, reduction, mtp_loss_weight, list(self.layers))
+
+    def head_loss(
+        self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, reduction: str,
+        mtp_loss_weight: float, blocks: list[Block],
+    ) -> torch.Tensor:
+        """The loss of the normalised output h [B, T, dim] (see forward); in training with the
+        gradients of the balance losses of `blocks`' MoE layers and of the MTP depths joined.
+
+        A pipeline's last stage calls it with its own blocks; the other stages' balance
+        losses reach the gradient on their own stage (ciuic_train/distributed/pipeline.py).
+        """
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         loss = self.kernels.loss(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction)
         if not self.training:
             return loss
-        extra = [term for moe in self.moe_layers(mtp=False).values() for term in moe.balance_loss.values()]
+        extra = balance_terms(blocks)
         if self.mtp and mtp_loss_weight:
             self.mtp_loss = self.multi_token_loss(h, idx, targets, reduction)
             extra.append(mtp_loss_weight * self.mtp_loss)
-            extra += [term for moe in self.mtp_moe_layers() for term in moe.balance_loss.values()]
-        if extra:
-            total = torch.stack(extra).sum()
-            loss = loss + (total - total.detach())  # adds their gradient, and exactly 0
-        return loss
+            extra += balance_terms([depth.block for depth in self.mtp])
+        return with_gradient_of(loss, extra)
 
     def multi_token_loss(
         self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, reduction: str
@@ -206,8 +228,10 @@ class Transformer(nn.Module):
     def moe_layers(self, mtp: bool = True) -> dict[int, MoE]:
         """The MoE layers by layer index; MTP depth j counts as layer n_layers + j, as in
         DeepSeek's checkpoints (`mtp=False`: the main model's only)."""
-        blocks = self.blocks() if mtp else self.layers
-        return {i: block.ffn for i, block in enumerate(blocks) if isinstance(block.ffn, MoE)}
+        indexed = self.layers.indexed()
+        if mtp:
+            indexed += [(self.config.n_layers + j, depth.block) for j, depth in enumerate(self.mtp)]
+        return {i: block.ffn for i, block in indexed if isinstance(block.ffn, MoE)}
 
     def mtp_moe_layers(self) -> list[MoE]:
         return [depth.block.ffn for depth in self.mtp if isinstance(depth.block.ffn, MoE)]
@@ -225,7 +249,7 @@ class Transformer(nn.Module):
         """
         moes = list(self.moe_layers().values())
         if not moes:
-            return torch.ones((), device=self.lm_head.weight.device)
+            return torch.ones((), device=self.rope_cos.device)
         loads = torch.stack([moe.tokens_per_expert for moe in moes])  # [MoE layers, E]
         if all_reduce is not None:
             all_reduce(loads)

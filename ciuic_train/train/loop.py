@@ -191,10 +191,12 @@ class LossWatch:
         bad = (~torch.isfinite(figures[:2]).all()).double().unsqueeze(0)
         votes = torch.tensor(stop_votes, dtype=torch.float64).to(figures.device)
         totals = parallel.all_reduce_sum_(torch.cat([figures[:2], bad, figures[2:], votes])).tolist()
-        world = parallel.world_size
-        side = dict(zip(side_losses, (total / world for total in totals[3 : 3 + len(side_losses)])))
+        # Every rank holds the global gradient norm; the losses are summed over the ranks
+        # that see different data (a pipeline's stages without the loss add 0).
+        world, shares = parallel.world_size, parallel.data_world
+        side = dict(zip(side_losses, (total / shares for total in totals[3 : 3 + len(side_losses)])))
         votes = totals[3 + len(side_losses) :]
-        return StepCheck(totals[0] / world, totals[1] / world, totals[2] == 0, StopRequest.decide(votes), side)
+        return StepCheck(totals[0] / shares, totals[1] / world, totals[2] == 0, StopRequest.decide(votes), side)
 
     def judge(self, step: int, check: StepCheck) -> str:
         """`apply`, `skip` or `stop` for optimizer step `step` (1-based), the same on every rank."""

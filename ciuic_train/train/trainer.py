@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from contextlib import nullcontext
 from pathlib import Path
@@ -45,21 +44,23 @@ from ciuic_train.checkpoint.checkpointer import Checkpointer
 from ciuic_train.checkpoint.hf_weights import load_hf_weights
 from ciuic_train.checkpoint.resume import (
     check_resumable,
+    data_world,
     read_meta,
     rerun_from,
     resolve_resume,
     run_fingerprint,
 )
-from ciuic_train.config import Config, Device, OnNonFinite, Precision
+from ciuic_train.config import Config, OnNonFinite, Precision
 from ciuic_train.data.corpus import load_tokens, unigram_entropy
 from ciuic_train.data.sampler import WindowSampler, eval_indices, get_batch, n_windows
 from ciuic_train.data.tokenizer import check_model_vocab, save_tokenizer
-from ciuic_train.distributed.grads import average_gradients_with_consistency, clip_grad_norm_, grad_sync
+from ciuic_train.distributed.grads import average_gradients_with_consistency
 from ciuic_train.distributed.materialize import local_rows
 from ciuic_train.distributed.parallelize import parallelize
+from ciuic_train.distributed.pipeline import Pipeline
 from ciuic_train.distributed.params import param_bytes, param_checksum, peak_memory_bytes
 from ciuic_train.distributed.process_group import Parallel
-from ciuic_train.errors import RunFailed, UserError, first_line
+from ciuic_train.errors import RunFailed, first_line
 from ciuic_train.files import format_bytes, write_json_atomic
 from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters, generate
 from ciuic_train.model.common import IGNORE_INDEX
@@ -73,40 +74,18 @@ from ciuic_train.train.loop import (
     Throughput,
     cap_address_space,
     inject_fault,
-    poison_loss,
     slow_down,
 )
 from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
 from ciuic_train.train.optim import LrSchedule, build_optimizer
+from ciuic_train.train.device import resolve_device, use_tf32  # resolve_device: also the CLI's
+from ciuic_train.train.passes import ModelPasses
 from ciuic_train.train.profiler import profiled_steps
 from ciuic_train.train.stragglers import StepTimes
 from ciuic_train.train.trackers import Trackers
 from ciuic_train.tricks import TrickContext, build_tricks
 
 log = logging.getLogger("ciuic_train")
-
-
-def resolve_device(choice: Device, local_rank: int = 0) -> torch.device:
-    if choice is Device.cuda and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA device is available; use device=cpu or device=auto")
-    if choice is Device.cpu or not torch.cuda.is_available():
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if local_rank >= count:  # else CUDA's own "invalid device ordinal", deep inside the first kernel
-        raise UserError(
-            f"local rank {local_rank} has no GPU of its own: this node shows {count} "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-            f"run at most dist.nproc_per_node={count} ranks per node, or device=cpu"
-        )
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
-def use_tf32(device: torch.device, enabled: bool) -> None:
-    """fp32 matmuls on a CUDA `device` in TensorFloat-32 or IEEE fp32 (the `tf32` key);
-    nothing elsewhere. The flag is the process's, the one torch reads for every matmul."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = enabled
 
 
 class Trainer:
@@ -124,7 +103,8 @@ class Trainer:
         self.device = self.parallel.device
         use_tf32(self.device, config.tf32)
         train = config.train
-        rank, world = self.parallel.info.rank, self.parallel.world_size
+        # The share of the data this rank sees: a pipeline's stages see the same.
+        rank, world = self.parallel.data_rank, self.parallel.data_world
 
         random.seed(config.seed)
         torch.manual_seed(config.seed)
@@ -139,12 +119,22 @@ class Trainer:
         # Built on meta: nothing is allocated until each rank materializes its own shards.
         with torch.device("meta"):
             self.model = Transformer(config.model)
+            # The whole model's shape, for counts, whatever part of it this rank holds.
+            self.model_shape = Transformer(config.model) if config.dist.pp > 1 else self.model
         self.resumed_from = resolve_resume(config.resume, run_dir)
-        self.memory = OutOfMemoryGuard(config, rank, run_dir)  # an allocator's failure: one line
+        self.memory = OutOfMemoryGuard(config, self.parallel.info.rank, run_dir)  # an allocator's failure: one line
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if config.precision is Precision.bf16
+            else nullcontext()
+        )
         with self.memory.during("building the model"):
+            pipeline = Pipeline(self.model, self.parallel, config) if config.dist.pp > 1 else None
             self.wrapped_model = parallelize(
                 self.model, self.parallel.mesh, config, self.tricks.comm_hook(), init=self._initialize
             )
+        self.passes = pipeline or ModelPasses(self.model, self.wrapped_model, self.parallel, config, self.tricks,
+                                              self.autocast)
         self.optimizer = build_optimizer(self.model, config.optim, train.lr)
         self.lr_schedule = LrSchedule.from_config(config.optim, train.lr, train.warmup_steps, train.max_steps)
         self.sampler = WindowSampler(
@@ -158,23 +148,19 @@ class Trainer:
         self.val_windows = val_windows[rank::world]
         self.val_batches = -(-len(val_windows[0::world]) // train.batch_size)
         self.val_filler = val_windows[:1]
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if config.precision is Precision.bf16
-            else nullcontext()
-        )
         self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum * world
         self.cadence = Cadence(train, config.ckpt, self.tricks.should_save)
         self.watch = LossWatch(train, self.parallel.is_main)
         self.step_times = StepTimes(train, self.parallel)
         self.step = 0
-        self.checkpointer = Checkpointer(run_dir / "checkpoints", rank, world, config.ckpt.keep_last)
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", self.parallel.info.rank, self.parallel.world_size,
+                                         config.ckpt.keep_last)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
         elif self.parallel.is_main:  # a fresh start: lines a previous attempt logged are not this run's
             drop_metrics_after(run_dir / "metrics.jsonl", 0)
         if self.parallel.is_main:
-            self.checkpointer.warn_if_space_is_short(self.model, self.resumed_from)
+            self.checkpointer.warn_if_space_is_short(self.model_shape, self.resumed_from)
             # For export, once nothing in the set-up can fail (a failed start leaves no folder).
             save_tokenizer(self.data.tokenizer, run_dir)
 
@@ -191,8 +177,9 @@ class Trainer:
                      f"{format_bytes(peak_memory_bytes(self.device))}")
 
     def _meta(self) -> dict[str, Any]:
-        fingerprint = run_fingerprint(self.config.model, self.tricks.names, self.parallel.world_size)
-        return {**fingerprint, "strategy": self.parallel.strategy, "mesh": self.parallel.mesh.shape.as_dict()}
+        fingerprint = run_fingerprint(self.config.model, self.tricks.names, self.parallel.data_world)
+        return {**fingerprint, "data_parallel_size": self.parallel.data_world, "strategy": self.parallel.strategy,
+                "mesh": self.parallel.mesh.shape.as_dict()}
 
     def save_checkpoint(self) -> Path:
         rank_state = {
@@ -207,10 +194,12 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         meta = read_meta(path)
         check_resumable(meta, self._meta(), self.config.ckpt.allow_trick_change)
-        same_world = meta["world_size"] == self.parallel.world_size
-        # On another number of ranks, rank 0's state serves all (check_resumable allowed it
-        # only where nothing in it is per rank but the data position, split anew here).
-        state = self.checkpointer.load(path, self.model, self.optimizer, state_of_rank=None if same_world else 0)
+        same_world = data_world(meta) == self.parallel.data_world
+        # On another number of data shares, rank 0's state serves all (check_resumable allowed
+        # it only where nothing in it is per rank but the data position, split anew here);
+        # on as many, the first stage's rank of this rank's share (pp is outermost).
+        state_of = self.parallel.data_rank if same_world else 0
+        state = self.checkpointer.load(path, self.model, self.optimizer, state_of_rank=state_of)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"] if same_world else self.sampler.share_of(meta["data"]))
         self.tricks.load_state_dict(state["tricks"])
@@ -222,11 +211,7 @@ class Trainer:
                  f"{format_bytes(peak_memory_bytes(self.device))}")
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        # The model computes the fp32 cross-entropy itself (see its forward).
-        with self.autocast:
-            return self.wrapped_model(
-                inputs, targets, reduction=reduction, mtp_loss_weight=self.config.train.mtp_loss_weight
-            )
+        return self.passes.loss(inputs, targets, reduction)
 
     def _batch(self, indices: torch.Tensor, split) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = get_batch(split, indices, self.config.train.seq_len)
@@ -258,19 +243,16 @@ class Trainer:
             with self.step_times.fetching_data():
                 inputs, targets = self._batch(self.sampler.next_indices(train.batch_size), self.data.train)
             sync = i == len(weights) - 1 and not measure_consistency
-            with grad_sync(self.wrapped_model, self.parallel.strategy, enabled=sync):
-                loss = self.tricks.transform_loss(self._loss(inputs, targets), self.step)
-                loss = poison_loss(self.config.fault, self.parallel.info.rank, self.step + 1, loss)
-                (loss * weight).backward()
-            loss_sum += loss.detach().double() * weight
-            for name, value in self.model.loss_figures().items():  # MTP and balance losses, where on
+            loss, side_figures = self.passes.train(inputs, targets, weight, self.step, sync)
+            loss_sum += loss.double() * weight
+            for name, value in side_figures.items():  # MTP and balance losses, where on
                 side_sums[name] = side_sums.get(name, 0.0) + value.double() * weight
         figures = {}
         if measure_consistency:
             figures["grad_consistency"] = average_gradients_with_consistency(list(self.model.parameters()), self.parallel)
 
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), max_norm)
+        grad_norm = self.passes.clip_grad_norm_(max_norm)
         total_weight = sum(weights)
         side_losses = {name: value / total_weight for name, value in side_sums.items()}
         slow_down(self.config.fault, self.parallel.info.rank)
@@ -281,7 +263,7 @@ class Trainer:
         if verdict == "apply":
             self.optimizer.step()
             # A 0-d tensor, read only when a line is logged (`_record`).
-            moe_imbalance = self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)
+            moe_imbalance = self.passes.balance_experts()
         else:
             self.model.forget_expert_counts()
             moe_imbalance = float("nan")
@@ -314,13 +296,14 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i in range(0, self.val_batches * batch_size, batch_size):
             windows = self.val_windows[i : i + batch_size]
-            if len(windows):
-                inputs, targets = self._batch(windows, self.data.val)
-            else:  # a rank with fewer windows joins the collectives with a batch that counts for nothing
-                inputs, targets = self._batch(self.val_filler, self.data.val)
-                targets = torch.full_like(targets, IGNORE_INDEX)
-            totals[0] += self._loss(inputs, targets, reduction="sum").double()
-            totals[1] += (targets != IGNORE_INDEX).sum()
+            # A rank with fewer windows joins the collectives with rows that count for nothing,
+            # as many as the layout needs (a pipeline's stages: whole batches).
+            fill = batch_size - len(windows) if self.passes.full_batches else int(not len(windows))
+            inputs, targets = self._batch(torch.cat([windows, self.val_filler.repeat(fill)]), self.data.val)
+            if fill:
+                targets[len(windows):] = IGNORE_INDEX
+            totals[0] += self.passes.eval_sum(inputs, targets).double()
+            totals[1] += (targets != IGNORE_INDEX).sum() if self.passes.holds_loss else 0
         self.wrapped_model.train(was_training)
         self.parallel.all_reduce_sum_(totals)
         return (totals[0] / totals[1]).item()
@@ -414,8 +397,8 @@ class Trainer:
         }
 
     def _log_start(self) -> None:
-        n_params, n_active = count_parameters(self.model)
-        n_mtp, _ = count_mtp_parameters(self.model)
+        n_params, n_active = count_parameters(self.model_shape)
+        n_mtp, _ = count_mtp_parameters(self.model_shape)
         mtp = f" + {n_mtp:,} in {self.config.model.n_mtp_layers} MTP depth(s)" if n_mtp else ""
         log.info(
             f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active){mtp} on {self.device} "
@@ -435,7 +418,7 @@ class Trainer:
         """Check that the replicas agree, then write the summary of the `run`'s figures
         (unless a signal stopped it)."""
         checksum = param_checksum(self.model, self.parallel.gather)  # also fails if replicas differ
-        n_params, n_active = count_parameters(self.model)
+        n_params, n_active = count_parameters(self.model_shape)
         summary = {
             "steps": self.step,
             **run,
@@ -449,7 +432,7 @@ class Trainer:
             "trick_params": self.tricks.resolved_params(),
             "n_params": n_params,
             "n_active_params": n_active,
-            "n_mtp_params": count_mtp_parameters(self.model)[0],
+            "n_mtp_params": count_mtp_parameters(self.model_shape)[0],
             "param_checksum": checksum,
             "model": self.config.model.name,
             "kernels": self.config.model.kernels,
@@ -478,6 +461,10 @@ class Trainer:
         unreadable = self.config.data.name == "tokens" and self.config.data.tokenizer == "bytes"
         if unreadable or self.config.sample.max_new_tokens == 0:
             return None
+        # A pipeline samples from the whole model, gathered on rank 0 (a collective).
+        model = self.passes.gathered_model() if isinstance(self.passes, Pipeline) else self.model
+        if model is None:
+            return None
         cfg = self.config.sample
         tokenizer = self.data.tokenizer
         ids = tokenizer.encode(cfg.prompt)
@@ -488,7 +475,7 @@ class Trainer:
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         try:
             with self.autocast:
-                out = generate(self.model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
+                out = generate(model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, generator)
         except RuntimeError as err:  # e.g. weights whose logits overflow: no distribution to sample from
             log.warning(f"no sample: {first_line(err)}")
             return None

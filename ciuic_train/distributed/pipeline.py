@@ -1,0 +1,329 @@
+"""Pipeline parallelism: the layers split over `dist.pp` ranks, run by torch's schedules.
+
+`Pipeline(model, parallel, config)` takes the `Transformer` built on meta and keeps, on
+this rank, only what its stages run (`pipeline_split.stages_of_rank`): their layers under
+their full names (`LayerStack.keep`), the embedding on the first stage, the final norm,
+the head and the MTP depths on the last. Checkpoints therefore name every tensor as the
+whole model does, whatever the split, and DCP resumes them on any other layout. The
+model is then materialized and initialized by name as in every layout (`materialize`).
+
+Each stage is a `StageModule` (a view over the rank's model) inside torch's
+`PipelineStage`; the schedule (`dist.pp_schedule`) runs each `train.batch_size` batch as
+`dist.pp_microbatches` micro-batches. What the whole model's forward does in one place is
+spread here as follows:
+
+- the loss (and MTP, on the stage with the head) is computed inside the last stage's
+  forward (`Transformer.head_loss`), so every weight it uses is the stage's own; the
+  schedule's loss function only scales it by the step's micro-batch weight and the
+  number of micro-batches (the schedule's own gradient scaling is off: a shared
+  embedding would be scaled twice);
+- the balance losses of a stage without the loss reach the gradient through that
+  stage's output (`CarryLoss`, DeepSeek's `AddAuxiliaryLoss`): the activation passes
+  unchanged, and backward adds the loss's gradient, the failure torchtitan's issue 2061
+  describes otherwise;
+- an embedding that two ranks hold (the last stage's MTP depths or tied head, with the
+  first stage elsewhere) has its gradient summed over both, so the copies stay equal;
+- the global gradient norm sums every stage's squares; the MoE imbalance is the worst
+  over stages; the loss is the last stage's, the others report 0 (the step's agreement
+  divides the sum by the number of pipelines).
+
+Evaluation runs through the schedule's forward-only path. A sample is generated from the
+whole model gathered on rank 0 (`gathered_model`), where it fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ciuic_train.config import Config
+from ciuic_train.distributed.pipeline_split import (
+    V_SHAPED,
+    balanced_split,
+    n_microbatches,
+    n_stages,
+    stages_of_rank,
+)
+from ciuic_train.distributed.process_group import Parallel
+from ciuic_train.model import Transformer
+from ciuic_train.model.counting import pipeline_costs
+from ciuic_train.model.transformer import balance_terms
+from ciuic_train.train.loop import poison_loss
+
+log = logging.getLogger("ciuic_train")
+
+
+class CarryLoss(torch.autograd.Function):
+    """`x` unchanged forward; backward passes x's gradient on and gives `loss` the gradient 1,
+    so a loss computed mid-pipeline joins the backward that arrives from the next stage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        ctx.loss_dtype = loss.dtype
+        return x.clone()  # not a view: zero-bubble schedules detach stage outputs in place
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage over the rank's model: stage `index` of `count`, its `layers`.
+
+    Registers the modules it runs, so that torch's stage sees exactly its parameters; the
+    rank's model (not registered) holds them under their full names.
+    """
+
+    def __init__(self, model: Transformer, index: int, count: int, layers: list[int], mtp_loss_weight: float):
+        super().__init__()
+        self.index, self.is_first, self.is_last = index, index == 0, index == count - 1
+        self.blocks = nn.ModuleList(model.layers[i] for i in layers)
+        if self.is_first:
+            self.tok_embeddings = model.tok_embeddings
+        if self.is_last:
+            self.norm, self.lm_head, self.mtp = model.norm, model.lm_head, model.mtp
+        object.__setattr__(self, "model", model)
+        self.mtp_loss_weight = mtp_loss_weight
+        self.loss_scale = 1.0  # the current micro-batches' share of the step's loss
+        self.figures: list[dict[str, torch.Tensor]] = []  # each training micro-batch's side losses
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`x`: the token ids [mb, T] on the first stage, else the previous stage's output
+        [mb, T, dim]; `tokens` and `targets` [mb, T]: the micro-batch's, on every stage."""
+        model = self.model
+        seq = tokens.shape[1]
+        cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+        if self.is_first:
+            x = model.tok_embeddings(x)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        training = model.training
+        if self.is_last:
+            reduction = "mean" if training else "sum"
+            loss = model.head_loss(model.norm(x), tokens, targets, reduction, self.mtp_loss_weight, list(self.blocks))
+            if training:
+                blocks = [*self.blocks, *(depth.block for depth in model.mtp)]
+                self._record(loss_figures(blocks, model.mtp_loss if model.mtp else None))
+            return loss
+        if training:
+            terms = balance_terms(list(self.blocks))
+            self._record(loss_figures(self.blocks, None))
+            if terms:
+                x = CarryLoss.apply(x, torch.stack(terms).sum() * self.loss_scale)
+        return x
+
+    def _record(self, figures: dict[str, torch.Tensor]) -> None:
+        self.figures.append(figures)
+
+
+def loss_figures(blocks: list[nn.Module] | nn.ModuleList, mtp_loss: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The side losses of one micro-batch through `blocks` (as `Transformer.loss_figures`)."""
+    terms: dict[str, list[torch.Tensor]] = {}
+    for block in blocks:
+        for name, value in getattr(block.ffn, "balance_loss", {}).items():
+            terms.setdefault(name, []).append(value.detach())
+    if mtp_loss is not None:
+        terms["mtp_loss"] = [mtp_loss.detach()]
+    return {name: torch.stack(values).sum() for name, values in terms.items()}
+
+
+def split_layers(model: Transformer, config: Config) -> list[list[int]]:
+    """The layer indices of each stage: `dist.pp_layers`, or a balanced split."""
+    sizes = list(config.dist.pp_layers)
+    if not sizes:
+        costs, first, last = pipeline_costs(model, config.train.seq_len)
+        sizes = balanced_split(costs, first, last, n_stages(config.dist))
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(len(sizes))]
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them (see the module docstring)."""
+
+    full_batches = True
+
+    def __init__(self, model: Transformer, parallel: Parallel, config: Config):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.model, self.parallel, self.config = model, parallel, config
+        cfg = config.dist
+        self.n_microbatches = n_microbatches(cfg)
+        self.split = split_layers(model, config)
+        count = len(self.split)
+        pp_rank = parallel.pp_rank
+        self.stage_ids = stages_of_rank(pp_rank, cfg)
+        self.holds_first, self.holds_last = 0 in self.stage_ids, count - 1 in self.stage_ids
+        self.holds_loss = self.holds_last
+        self.group = parallel.mesh.pipeline().get_group()
+        # The side losses every stage reports (0 where none of its layers has them): the
+        # step's agreement sums the same figures on every rank.
+        mcfg = model.config
+        self.side_names = [name for name, on in (("aux_loss", mcfg.aux_loss_alpha), ("seq_aux_loss", mcfg.seq_aux_loss_alpha))
+                           if on and model.moe_layers()] + (["mtp_loss"] if mcfg.n_mtp_layers else [])
+        self._keep_own_parts(count)
+        self.embedding_holders = self._embedding_holders(count)
+        self.stages = [StageModule(model, i, count, self.split[i], config.train.mtp_loss_weight) for i in self.stage_ids]
+        micro = config.train.batch_size // self.n_microbatches
+        seq, dim = config.train.seq_len, model.config.dim
+        # What passes between stages, for torch's static stage metadata: an activation
+        # that takes a gradient back, in fp32 (the residual stream's dtype under autocast too).
+        hidden = torch.empty(micro, seq, dim, device="meta", requires_grad=True)
+        tokens = torch.empty(micro, seq, dtype=torch.long, device="meta")
+        self.torch_stages = [
+            PipelineStage(
+                stage, stage.index, count, parallel.device,
+                input_args=(tokens if stage.is_first else hidden,),
+                output_args=(torch.empty((), device="meta", requires_grad=True) if stage.is_last else hidden,),
+                group=self.group,
+            )
+            for stage in self.stages
+        ]
+        self.schedule = self._schedule(cfg.pp_schedule.value)
+        self._weight, self._step, self._losses = 1.0, 0, []
+        if parallel.is_main:
+            sizes = ", ".join(f"{len(layers)}" for layers in self.split)
+            log.info(f"pipeline: {count} stages over {cfg.pp} ranks ({cfg.pp_schedule.value}, "
+                     f"{self.n_microbatches} micro-batches of {micro}); layers per stage {sizes}")
+
+    def _keep_own_parts(self, count: int) -> None:
+        """Drop, while still on meta, what none of this rank's stages runs."""
+        model = self.model
+        model.layers.keep([i for s in self.stage_ids for i in self.split[s]])
+        needs_embedding = self.holds_first or (self.holds_last and (model.mtp or model.config.tie_embeddings))
+        if not needs_embedding:
+            model.tok_embeddings = None
+        if not self.holds_last:
+            model.norm = model.lm_head = None
+            model.mtp = nn.ModuleList()
+
+    def _embedding_holders(self, count: int) -> Any:
+        """The group of the two ranks holding the embedding when the last stage needs it on
+        another rank than the first's, else None (every rank takes part in forming it)."""
+        cfg, model_cfg = self.config.dist, self.model.config
+        last_rank = next(r for r in range(cfg.pp) if count - 1 in stages_of_rank(r, cfg))
+        if last_rank == 0 or not (model_cfg.n_mtp_layers or model_cfg.tie_embeddings):
+            return None
+        group = dist.new_group([0, last_rank])
+        return group if self.parallel.pp_rank in (0, last_rank) else None
+
+    def _schedule(self, name: str):
+        from torch.distributed.pipelining import schedules
+
+        classes = {
+            "gpipe": schedules.ScheduleGPipe,
+            "1f1b": schedules.Schedule1F1B,
+            "interleaved_1f1b": schedules.ScheduleInterleaved1F1B,
+            "zbv": schedules.ScheduleZBVZeroBubble,
+            "dualpipev": schedules.ScheduleDualPipeV,
+        }
+        single = name in ("gpipe", "1f1b")
+        stages = self.torch_stages[0] if single else self.torch_stages
+        return classes[name](stages, n_microbatches=self.n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+
+    def _evaluate(self, *args, target: torch.Tensor, return_outputs: bool, tokens: torch.Tensor,
+                  targets: torch.Tensor) -> None:
+        """Forward only: the schedule's `eval`, but for the V schedules, whose `eval` in torch
+        2.13 also runs their backward actions and fails where two adjacent stages share a
+        rank; there the stages run one after another, the activations sent point to point."""
+        if self.config.dist.pp_schedule.value not in V_SHAPED:
+            self.schedule.eval(*args, target=target, return_outputs=return_outputs, tokens=tokens, targets=targets)
+            return
+        owner = {stage: rank for rank in range(self.config.dist.pp) for stage in stages_of_rank(rank, self.config.dist)}
+        mine = {stage.index: stage for stage in self.stages}
+        micro = self.config.train.batch_size // self.n_microbatches
+        for tokens_mb, targets_mb in zip(tokens.split(micro), targets.split(micro)):
+            x = tokens_mb
+            for index in range(len(self.split)):
+                here, before = owner[index], owner.get(index - 1)
+                if index and here != before and self.parallel.pp_rank in (here, before):
+                    if self.parallel.pp_rank == before:
+                        dist.send(x.contiguous(), group_dst=here, group=self.group)
+                    else:
+                        x = torch.empty(micro, tokens.shape[1], self.model.config.dim, device=tokens.device)
+                        dist.recv(x, group_src=before, group=self.group)
+                if index in mine:
+                    x = mine[index](x, tokens_mb, targets_mb)
+            if self.holds_last:
+                self._loss_fn(x, targets_mb)
+
+    def _loss_fn(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's micro-batch loss, scaled to its share of the step."""
+        loss = poison_loss(self.config.fault, self.parallel.info.rank, self._step + 1, loss)
+        self._losses.append(loss.detach())
+        return loss * self._weight
+
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, run: Callable) -> list[torch.Tensor]:
+        self._losses = []
+        for stage in self.stages:
+            stage.figures = []
+            stage.loss_scale = self._weight
+        args = (inputs,) if self.holds_first else ()
+        run(*args, target=targets, return_outputs=False, tokens=inputs, targets=targets)
+        return self._losses
+
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float, step: int,
+              sync: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        self._weight, self._step = weight / self.n_microbatches, step
+        losses = self._run(inputs, targets, self.schedule.step)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.parallel.device)
+        figures = {name: torch.zeros((), device=self.parallel.device) for name in self.side_names}
+        for stage in self.stages:
+            for per_micro_batch in stage.figures:
+                for name, value in per_micro_batch.items():
+                    figures[name] = figures[name] + value / self.n_microbatches
+        if sync:
+            self._sum_embedding_gradients()
+        return loss, figures
+
+    def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self._weight, self._step = 1.0, -2  # no fault injection in evaluation
+        losses = self._run(inputs, targets, self._evaluate)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.parallel.device)
+
+    def _sum_embedding_gradients(self) -> None:
+        if self.embedding_holders is None:
+            return
+        weight = self.model.tok_embeddings.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=self.embedding_holders)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """As `grads.clip_grad_norm_`, with every stage's squares summed (a held copy of the
+        embedding counted once, on the first stage's rank)."""
+        params = list(self.model.parameters())
+        copy = self.model.tok_embeddings.weight if (self.embedding_holders and not self.holds_first) else None
+        counted = [p.grad for p in params if p.grad is not None and p is not copy]
+        squares = torch.nn.utils.get_total_norm(counted).pow(2) if counted else torch.zeros((), device=self.parallel.device)
+        dist.all_reduce(squares, group=self.group)
+        total = squares.sqrt()
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+        return total
+
+    def balance_experts(self) -> torch.Tensor:
+        """Each stage's bias update from its own layers' counts (one rank per stage: no
+        reduction); returns the worst imbalance over stages."""
+        imbalance = self.model.balance_experts().float()
+        dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=self.group)
+        return imbalance
+
+    def gathered_model(self) -> Transformer | None:
+        """The whole model on rank 0 (None elsewhere), from every rank's weights: a collective."""
+        state = {name: t.detach().cpu() for name, t in self.model.state_dict().items()}
+        everyone: list[Any] = [None] * self.parallel.world_size
+        dist.all_gather_object(everyone, state)
+        if not self.parallel.is_main:
+            return None
+        whole = Transformer(self.model.config).to(self.parallel.device)
+        merged = {name: t for part in everyone for name, t in part.items()}
+        whole.load_state_dict(merged)
+        whole.eval()
+        return whole

@@ -1,0 +1,67 @@
+"""How one micro-batch goes forward and backward, and what follows on the gradients: the
+trainer's one interface to the model's layout.
+
+`ModelPasses` runs the whole model on each rank (one process, DDP, FSDP2, HSDP, expert
+parallelism); `ciuic_train.distributed.pipeline.Pipeline` runs a pipeline's stages
+through torch's schedules, behind the same methods:
+
+- `train(inputs, targets, weight, step, sync)`: the micro-batch's loss times `weight`
+  goes backward; returns the loss and the side losses (0-d tensors, on the device; a
+  pipeline's stages without the loss return 0 for it);
+- `eval_sum(inputs, targets)`: the summed validation loss of a batch (0 where not held);
+- `clip_grad_norm_(max_norm)`, `balance_experts()`: after the step's micro-batches;
+- `holds_loss`: whether this rank computes the loss (a pipeline: its last stage's);
+- `full_batches`: whether every evaluation batch must be `train.batch_size` windows
+  (a pipeline's stages are built for one micro-batch shape).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from ciuic_train.config import Config
+from ciuic_train.distributed.grads import clip_grad_norm_, grad_sync
+from ciuic_train.distributed.process_group import Parallel
+from ciuic_train.model import Transformer
+from ciuic_train.train.loop import poison_loss
+
+
+class ModelPasses:
+    """The whole model on every rank: `wrapped_model` is what `parallelize` returned."""
+
+    full_batches = False
+    holds_loss = True
+
+    def __init__(self, model: Transformer, wrapped_model: nn.Module, parallel: Parallel, config: Config,
+                 tricks: Any, autocast: Any = None):
+        self.model, self.wrapped_model = model, wrapped_model
+        self.parallel, self.config, self.tricks = parallel, config, tricks
+        self.autocast = autocast or nullcontext()
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        # The model computes the fp32 cross-entropy itself (see its forward).
+        with self.autocast:
+            return self.wrapped_model(
+                inputs, targets, reduction=reduction, mtp_loss_weight=self.config.train.mtp_loss_weight
+            )
+
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float, step: int,
+              sync: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with grad_sync(self.wrapped_model, self.parallel.strategy, enabled=sync):
+            loss = self.tricks.transform_loss(self.loss(inputs, targets), step)
+            loss = poison_loss(self.config.fault, self.parallel.info.rank, step + 1, loss)
+            (loss * weight).backward()
+        return loss.detach(), self.model.loss_figures()
+
+    def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(inputs, targets, reduction="sum")
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(list(self.model.parameters()), max_norm)
+
+    def balance_experts(self) -> torch.Tensor:
+        return self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)

@@ -1,0 +1,135 @@
+"""Pipeline parallelism (`dist.pp`): the split, the checks before anything starts, and real
+two-rank pipelines over gloo against one process at the same global batch."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_config, run_cli, torchrun
+from ciuic_train.checkpoint.checkpointer import load_model
+from ciuic_train.distributed.pipeline_split import balanced_split, stages_of_rank
+from ciuic_train.errors import UserError
+
+# Four layers (one dense, three MoE), so two ranks can hold two stages each; a balance
+# loss on, so its gradient must cross stages; 8 windows per batch.
+TINY = ["model=tiny", "model.n_layers=4", "model.aux_loss_alpha=0.01", "train.seq_len=64", "train.batch_size=8",
+        "train.eval_windows=16", "train.eval_every=10", "sample.max_new_tokens=0", "progress=plain"]
+
+
+def test_the_balanced_split_gives_each_stage_a_layer_and_evens_the_costliest():
+    assert balanced_split([1.0] * 4, 0.0, 0.0, 2) == [2, 2]
+    # The last stage carries the head: it gets fewer layers.
+    assert balanced_split([1.0, 2, 2, 2, 2, 2], 0.0, 3.0, 3) == [3, 2, 1]
+    # A head that outweighs everything still leaves the last stage a layer.
+    assert balanced_split([1.0, 1.0], 0.0, 50.0, 2) == [1, 1]
+    assert balanced_split([5.0, 1, 1, 1, 1, 1], 0.0, 0.0, 2) == [1, 5]
+
+
+def test_stages_sit_on_ranks_in_a_loop_or_in_a_v():
+    loop = compose_config("dist.pp=2", "dist.pp_schedule=interleaved_1f1b", "dist.pp_stages_per_rank=2",
+                          "model.n_layers=4").dist
+    assert [stages_of_rank(r, loop) for r in (0, 1)] == [[0, 2], [1, 3]]
+    v = compose_config("dist.pp=2", "dist.pp_schedule=zbv", "dist.pp_stages_per_rank=2", "model.n_layers=4").dist
+    assert [stages_of_rank(r, v) for r in (0, 1)] == [[0, 3], [1, 2]]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["dist.pp_layers=[3,0]"], r"dist.pp_layers=\[3, 0\] must give each of the 2 stages at least one layer"),
+    (["dist.pp_layers=[1,1]"], r"sum to model.n_layers=4"),
+    (["model.n_layers=1"], r"model.n_layers=1 cannot give each of the 2 pipeline stages a layer"),
+    (["dist.pp_microbatches=1"], r"dist.pp_schedule=1f1b needs at least 2 micro-batches"),
+    (["dist.pp_microbatches=3"], r"train.batch_size=8 does not divide into dist.pp_microbatches=3"),
+    (["dist.pp_schedule=interleaved_1f1b"], r"needs dist.pp_stages_per_rank of 2 or more"),
+    (["dist.pp_schedule=zbv"], r"dist.pp_schedule=zbv runs two stages per rank in a V"),
+    (["dist.pp_stages_per_rank=2"], r"dist.pp_schedule=1f1b runs one stage per rank"),
+    (["dist.pp_schedule=dualpipev", "dist.pp_stages_per_rank=2", "dist.pp_microbatches=2"],
+     r"needs at least 4 micro-batches"),
+    (["dist.pp_schedule=zbv", "dist.pp_stages_per_rank=2", "model.n_mtp_layers=1"], r"use 1f1b or interleaved_1f1b with MTP"),
+    (["+trick=async_smoothed_loss"], r"replaces the transform_loss seam"),
+])
+def test_a_pipeline_that_cannot_run_is_refused_in_one_line(overrides, message):
+    with pytest.raises(UserError, match=message):
+        compose_config(*TINY, "dist.pp=2", *overrides)
+
+
+def test_the_cli_refuses_a_pipeline_on_the_wrong_world_before_starting(tmp_path):
+    result = run_cli(*TINY, "dist.pp=2", "dist.nproc_per_node=3", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "dist.pp=2 pipeline stages need 2 ranks (one rank per stage), but the world size is 3" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    model, _ = load_model(latest)
+    return model.state_dict()
+
+
+def run_pipeline(tmp_path: Path, name: str, *overrides: str, steps: int = 20) -> Path:
+    run_dir = tmp_path / name
+    result = torchrun("--nproc_per_node=2", "-m", "ciuic_train", *TINY, f"train.max_steps={steps}", "train.log_every=1",
+                      "dist.pp=2", *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def run_one_process(tmp_path: Path, name: str, micro_batches: int, *overrides: str, steps: int = 20) -> Path:
+    """One process at the pipeline's global batch, split as the pipeline splits it."""
+    run_dir = tmp_path / name
+    result = run_cli(*TINY, f"train.max_steps={steps}", "train.log_every=1", f"train.batch_size={8 // micro_batches}",
+                     f"train.grad_accum={micro_batches}", *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def assert_same_training(pipeline: Path, single: Path) -> None:
+    piped, alone = metrics(pipeline), metrics(single)
+    assert len(piped) == len(alone) == 20
+    for key in ("loss", "aux_loss", "grad_norm", "moe_imbalance"):
+        assert [m[key] for m in piped] == pytest.approx([m[key] for m in alone], abs=1e-4), key
+    assert piped[-1]["val_loss"] == pytest.approx(alone[-1]["val_loss"], abs=1e-4)
+    a, b = final_weights(pipeline), final_weights(single)
+    assert a.keys() == b.keys()
+    for name in a:  # the expert biases too: each stage balanced from the same counts
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+    # The runs differ: a pipeline that trained nothing would fail above, not here.
+    assert metrics(pipeline)[-1]["loss"] < metrics(pipeline)[0]["loss"]
+
+
+@pytest.mark.slow
+def test_a_1f1b_pipeline_with_mtp_trains_as_one_process(tmp_path):
+    mtp = ["model.n_mtp_layers=1"]
+    pipeline = run_pipeline(tmp_path, "pp", *mtp)
+    summary = json.loads((pipeline / "summary.json").read_text())
+    assert summary["mesh"]["pp"] == 2 and summary["world_size"] == 2
+    assert_same_training(pipeline, run_one_process(tmp_path, "one", 2, *mtp))
+    assert "mtp_loss" in metrics(pipeline)[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, extra", [("interleaved_1f1b", ["model.n_mtp_layers=1"]), ("zbv", [])])
+def test_two_stages_per_rank_train_as_one_process(tmp_path, schedule, extra):
+    pipeline = run_pipeline(tmp_path, "pp", f"dist.pp_schedule={schedule}", "dist.pp_stages_per_rank=2", *extra)
+    assert_same_training(pipeline, run_one_process(tmp_path, "one", 4, *extra))
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path):
+    """Saved with pp=2 at step 10, continued with pp=1: the pp=2 run's steps 11-20."""
+    pipeline = run_pipeline(tmp_path, "pp", "ckpt.every=10")
+    resumed = tmp_path / "resumed"
+    shutil.copytree(pipeline, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000020")
+    result = run_cli(*TINY, "train.max_steps=20", "train.log_every=1", "train.batch_size=4",
+                     "train.grad_accum=2", "resume=auto", f"hydra.run.dir={resumed}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    later = [m for m in metrics(pipeline) if m["step"] > 10]
+    again = metrics(resumed)[-10:]
+    assert [m["step"] for m in again] == list(range(11, 21))
+    assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in later], abs=1e-5)
