@@ -91,8 +91,15 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Te
         partial = [Partial() if p.is_shard() else Replicate() for p in placements]
         squares = squares + DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
     total = squares.sqrt()
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grads_with_norm_
-    for members in [plain, *groups.values()]:
+    scale_to_max_norm_([plain, *groups.values()], total, max_norm)
+    return total
+
+
+def scale_to_max_norm_(groups: list[list[torch.Tensor]], total: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients whose global L2 norm is `total` so that it is at most `max_norm` (as
+    torch's clip_grads_with_norm_); one foreach call per group (DTensors of one mesh, or
+    plain tensors)."""
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for members in groups:
         if members:
             torch._foreach_mul_(members, scale)
-    return total

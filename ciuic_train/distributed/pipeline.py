@@ -28,7 +28,7 @@ spread here as follows:
   divides the sum by the number of pipelines).
 
 Evaluation runs through the schedule's forward-only path. A sample is generated from the
-whole model gathered on rank 0 (`gathered_model`), where it fits.
+whole model gathered on rank 0 (`sampling_model`), where it fits.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ from ciuic_train.distributed.pipeline_split import (
 )
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.model import Transformer
+from ciuic_train.distributed.grads import scale_to_max_norm_
 from ciuic_train.model.counting import pipeline_costs
-from ciuic_train.model.transformer import balance_terms
+from ciuic_train.model.transformer import balance_terms, side_loss_figures
 from ciuic_train.train.loop import poison_loss
 
 log = logging.getLogger("ciuic_train")
@@ -108,28 +109,14 @@ class StageModule(nn.Module):
             loss = model.head_loss(model.norm(x), tokens, targets, reduction, self.mtp_loss_weight, list(self.blocks))
             if training:
                 blocks = [*self.blocks, *(depth.block for depth in model.mtp)]
-                self._record(loss_figures(blocks, model.mtp_loss if model.mtp else None))
+                self.figures.append(side_loss_figures(blocks, model.mtp_loss if model.mtp else None))
             return loss
         if training:
             terms = balance_terms(list(self.blocks))
-            self._record(loss_figures(self.blocks, None))
+            self.figures.append(side_loss_figures(list(self.blocks), None))
             if terms:
                 x = CarryLoss.apply(x, torch.stack(terms).sum() * self.loss_scale)
         return x
-
-    def _record(self, figures: dict[str, torch.Tensor]) -> None:
-        self.figures.append(figures)
-
-
-def loss_figures(blocks: list[nn.Module] | nn.ModuleList, mtp_loss: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The side losses of one micro-batch through `blocks` (as `Transformer.loss_figures`)."""
-    terms: dict[str, list[torch.Tensor]] = {}
-    for block in blocks:
-        for name, value in getattr(block.ffn, "balance_loss", {}).items():
-            terms.setdefault(name, []).append(value.detach())
-    if mtp_loss is not None:
-        terms["mtp_loss"] = [mtp_loss.detach()]
-    return {name: torch.stack(values).sum() for name, values in terms.items()}
 
 
 def split_layers(model: Transformer, config: Config) -> list[list[int]]:
@@ -153,10 +140,12 @@ class Pipeline:
         self.model, self.parallel, self.config = model, parallel, config
         cfg = config.dist
         self.n_microbatches = n_microbatches(cfg)
+        self.micro_batch_size = config.train.batch_size // self.n_microbatches
         self.split = split_layers(model, config)
         count = len(self.split)
-        pp_rank = parallel.pp_rank
-        self.stage_ids = stages_of_rank(pp_rank, cfg)
+        # The pipeline rank that runs each stage.
+        self.stage_owner = {stage: rank for rank in range(cfg.pp) for stage in stages_of_rank(rank, cfg)}
+        self.stage_ids = stages_of_rank(parallel.pp_rank, cfg)
         self.holds_first, self.holds_last = 0 in self.stage_ids, count - 1 in self.stage_ids
         self.holds_loss = self.holds_last
         self.group = parallel.mesh.pipeline().get_group()
@@ -165,11 +154,10 @@ class Pipeline:
         mcfg = model.config
         self.side_names = [name for name, on in (("aux_loss", mcfg.aux_loss_alpha), ("seq_aux_loss", mcfg.seq_aux_loss_alpha))
                            if on and model.moe_layers()] + (["mtp_loss"] if mcfg.n_mtp_layers else [])
-        self._keep_own_parts(count)
+        self._keep_own_parts()
         self.embedding_holders = self._embedding_holders(count)
         self.stages = [StageModule(model, i, count, self.split[i], config.train.mtp_loss_weight) for i in self.stage_ids]
-        micro = config.train.batch_size // self.n_microbatches
-        seq, dim = config.train.seq_len, model.config.dim
+        micro, seq, dim = self.micro_batch_size, config.train.seq_len, model.config.dim
         # What passes between stages, for torch's static stage metadata: an activation
         # that takes a gradient back, in fp32 (the residual stream's dtype under autocast too).
         hidden = torch.empty(micro, seq, dim, device="meta", requires_grad=True)
@@ -190,7 +178,7 @@ class Pipeline:
             log.info(f"pipeline: {count} stages over {cfg.pp} ranks ({cfg.pp_schedule.value}, "
                      f"{self.n_microbatches} micro-batches of {micro}); layers per stage {sizes}")
 
-    def _keep_own_parts(self, count: int) -> None:
+    def _keep_own_parts(self) -> None:
         """Drop, while still on meta, what none of this rank's stages runs."""
         model = self.model
         model.layers.keep([i for s in self.stage_ids for i in self.split[s]])
@@ -204,8 +192,8 @@ class Pipeline:
     def _embedding_holders(self, count: int) -> Any:
         """The group of the two ranks holding the embedding when the last stage needs it on
         another rank than the first's, else None (every rank takes part in forming it)."""
-        cfg, model_cfg = self.config.dist, self.model.config
-        last_rank = next(r for r in range(cfg.pp) if count - 1 in stages_of_rank(r, cfg))
+        model_cfg = self.model.config
+        last_rank = self.stage_owner[count - 1]
         if last_rank == 0 or not (model_cfg.n_mtp_layers or model_cfg.tie_embeddings):
             return None
         group = dist.new_group([0, last_rank])
@@ -233,9 +221,7 @@ class Pipeline:
         if self.config.dist.pp_schedule.value not in V_SHAPED:
             self.schedule.eval(*args, target=target, return_outputs=return_outputs, tokens=tokens, targets=targets)
             return
-        owner = {stage: rank for rank in range(self.config.dist.pp) for stage in stages_of_rank(rank, self.config.dist)}
-        mine = {stage.index: stage for stage in self.stages}
-        micro = self.config.train.batch_size // self.n_microbatches
+        owner, mine, micro = self.stage_owner, {stage.index: stage for stage in self.stages}, self.micro_batch_size
         for tokens_mb, targets_mb in zip(tokens.split(micro), targets.split(micro)):
             x = tokens_mb
             for index in range(len(self.split)):
@@ -302,10 +288,7 @@ class Pipeline:
         squares = torch.nn.utils.get_total_norm(counted).pow(2) if counted else torch.zeros((), device=self.parallel.device)
         dist.all_reduce(squares, group=self.group)
         total = squares.sqrt()
-        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale)
+        scale_to_max_norm_([[p.grad for p in params if p.grad is not None]], total, max_norm)
         return total
 
     def balance_experts(self) -> torch.Tensor:
@@ -315,8 +298,9 @@ class Pipeline:
         dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=self.group)
         return imbalance
 
-    def gathered_model(self) -> Transformer | None:
-        """The whole model on rank 0 (None elsewhere), from every rank's weights: a collective."""
+    def sampling_model(self) -> Transformer | None:
+        """The whole model gathered on rank 0 (None elsewhere) from every rank's weights, where
+        it fits: a collective."""
         state = {name: t.detach().cpu() for name, t in self.model.state_dict().items()}
         everyone: list[Any] = [None] * self.parallel.world_size
         dist.all_gather_object(everyone, state)

@@ -52,19 +52,20 @@ def training_flops_per_token(model: Transformer, seq_len: int) -> float:
     _, mtp_active = count_mtp_parameters(model)
     matmul_params = active - (0 if cfg.tie_embeddings else model.tok_embeddings.weight.numel())
     matmul_params += mtp_active + cfg.n_mtp_layers * model.lm_head.weight.numel()
-    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    attention = 6 * (cfg.n_layers + cfg.n_mtp_layers) * cfg.n_heads * (qk_dim + cfg.v_head_dim) * seq_len
+    attention = (cfg.n_layers + cfg.n_mtp_layers) * _attention_flops_per_layer(cfg, seq_len)
     return 6 * matmul_params + attention
 
+
+def _attention_flops_per_layer(cfg, seq_len: int) -> float:
+    """Training FLOPs per token of one block's attention scores (the full score matrix)."""
+    return 6 * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * seq_len
 
 
 def pipeline_costs(model: Transformer, seq_len: int) -> tuple[list[float], float, float]:
     """Training FLOPs per token of each main layer, of what only the first pipeline stage
     runs besides its layers (the embedding: a lookup, 0) and of what the last stage runs
     (the head's matmul and each MTP depth's block and head), for a balanced split."""
-    cfg = model.config
-    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    attention = 6 * cfg.n_heads * (qk_dim + cfg.v_head_dim) * seq_len
+    attention = _attention_flops_per_layer(model.config, seq_len)
 
     def block_flops(block) -> float:
         params = sum(p.numel() for p in block.parameters())

@@ -54,6 +54,20 @@ def balance_terms(blocks: list[Block]) -> list[torch.Tensor]:
     return [term for block in blocks if isinstance(block.ffn, MoE) for term in block.ffn.balance_loss.values()]
 
 
+def side_loss_figures(blocks: list[Block], mtp_loss: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The last training forward's side losses over `blocks`: each balance loss summed over
+    their MoE layers (`aux_loss`, `seq_aux_loss`), and `mtp_loss` where given; detached 0-d
+    tensors, left on the device for the step's one sync."""
+    terms: dict[str, list[torch.Tensor]] = {}
+    for block in blocks:
+        if isinstance(block.ffn, MoE):
+            for name, value in block.ffn.balance_loss.items():
+                terms.setdefault(name, []).append(value.detach())
+    if mtp_loss is not None:
+        terms["mtp_loss"] = [mtp_loss.detach()]
+    return {name: torch.stack(values).sum() for name, values in terms.items()}
+
+
 def with_gradient_of(value: torch.Tensor, terms: list[torch.Tensor]) -> torch.Tensor:
     """`value`, unchanged, carrying the gradient of the sum of `terms` as well."""
     if not terms:
@@ -200,13 +214,7 @@ class Transformer(nn.Module):
         """The last training forward's side losses: the weighted balance losses summed over MoE
         layers (`aux_loss`, `seq_aux_loss`) and the mean MTP loss (`mtp_loss`), where on; 0-d
         tensors, left on the device for the step's one sync."""
-        terms: dict[str, list[torch.Tensor]] = {}
-        for moe in self.moe_layers().values():
-            for name, value in moe.balance_loss.items():
-                terms.setdefault(name, []).append(value.detach())
-        if self.mtp_loss is not None:
-            terms["mtp_loss"] = [self.mtp_loss.detach()]
-        return {name: torch.stack(values).sum() for name, values in terms.items()}
+        return side_loss_figures(self.blocks(), self.mtp_loss)
 
     def trunk(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> the last block's hidden states [B, T, dim] (before the final norm)."""

@@ -10,6 +10,8 @@ through torch's schedules, behind the same methods:
   pipeline's stages without the loss return 0 for it);
 - `eval_sum(inputs, targets)`: the summed validation loss of a batch (0 where not held);
 - `clip_grad_norm_(max_norm)`, `balance_experts()`: after the step's micro-batches;
+- `sampling_model()`: the whole model to sample from (on rank 0; None elsewhere where it
+  had to be gathered, a collective every rank calls);
 - `holds_loss`: whether this rank computes the loss (a pipeline: its last stage's);
 - `full_batches`: whether every evaluation batch must be `train.batch_size` windows
   (a pipeline's stages are built for one micro-batch shape).
@@ -65,3 +67,6 @@ class ModelPasses:
 
     def balance_experts(self) -> torch.Tensor:
         return self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)
+
+    def sampling_model(self) -> Transformer:
+        return self.model

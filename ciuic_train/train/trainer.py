@@ -461,8 +461,7 @@ class Trainer:
         unreadable = self.config.data.name == "tokens" and self.config.data.tokenizer == "bytes"
         if unreadable or self.config.sample.max_new_tokens == 0:
             return None
-        # A pipeline samples from the whole model, gathered on rank 0 (a collective).
-        model = self.passes.gathered_model() if isinstance(self.passes, Pipeline) else self.model
+        model = self.passes.sampling_model()  # a pipeline's: gathered on rank 0, a collective
         if model is None:
             return None
         cfg = self.config.sample
