@@ -9,7 +9,9 @@ import torch
 
 from conftest import compose_config, run_cli, torchrun
 from ciuic_train.checkpoint.checkpointer import load_model
-from ciuic_train.distributed.pipeline_split import balanced_split, stages_of_rank
+from ciuic_train.config import DistConfig
+from ciuic_train.distributed.mesh import MeshShape, resolve_mesh
+from ciuic_train.distributed.pipeline_split import balanced_split, check_pipeline_mesh, stages_of_rank
 from ciuic_train.errors import UserError
 
 # Four layers (one dense, three MoE), so two ranks can hold two stages each; a balance
@@ -54,10 +56,35 @@ def test_a_pipeline_that_cannot_run_is_refused_in_one_line(overrides, message):
         compose_config(*TINY, "dist.pp=2", *overrides)
 
 
+@pytest.mark.parametrize("overrides, world, expected", [
+    ({"pp": 2}, 2, MeshShape(pp=2)),
+    ({"pp": 2}, 4, MeshShape(2, 1, 1, 2)),  # the replicas take the rest of each stage's ranks
+    ({"pp": 2, "dp_shard": 2, "ep": 2}, 4, MeshShape(1, 2, 2, 2)),
+    ({"pp": 2, "dp_replicate": 2, "dp_shard": 2}, 8, MeshShape(2, 2, 1, 2)),
+])
+def test_data_and_expert_parallelism_fill_each_stage(overrides, world, expected):
+    shape = resolve_mesh(DistConfig(**overrides), world, world, n_routed_experts=4)
+    assert shape == expected and shape.world_size == world and shape.data_parallel_size == world // 2
+
+
+def test_a_stage_mesh_that_does_not_multiply_out_names_the_stage_size():
+    with pytest.raises(UserError, match=r"^dist.dp_replicate=1 x dist.dp_shard=4 = 4 ranks, but the stage size "
+                                        r"\(world size / dist.pp=2\) is 2$"):
+        resolve_mesh(DistConfig(pp=2, dp_replicate=1, dp_shard=4), 4, 4, n_routed_experts=4)
+
+
+def test_a_tied_head_in_a_v_with_sharded_stages_is_refused():
+    config = compose_config(*TINY, "dist.pp=2", "dist.pp_schedule=zbv", "dist.pp_stages_per_rank=2",
+                            "model.tie_embeddings=true")
+    check_pipeline_mesh(config, MeshShape(pp=2))  # one rank per stage: the V shares the weight on one rank
+    with pytest.raises(UserError, match=r"model.tie_embeddings=true with dist.pp_schedule=zbv and data parallelism"):
+        check_pipeline_mesh(config, MeshShape(1, 2, 1, 2))
+
+
 def test_the_cli_refuses_a_pipeline_on_the_wrong_world_before_starting(tmp_path):
     result = run_cli(*TINY, "dist.pp=2", "dist.nproc_per_node=3", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 2
-    assert "dist.pp=2 pipeline stages need 2 ranks (one rank per stage), but the world size is 3" in result.stderr
+    assert "dist.pp=2 must divide the world size 3 (each pipeline stage gets world / pp ranks)" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -71,27 +98,31 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def run_pipeline(tmp_path: Path, name: str, *overrides: str, steps: int = 20) -> Path:
+def run_pipeline(tmp_path: Path, name: str, *overrides: str, steps: int = 20, ranks: int = 2) -> Path:
     run_dir = tmp_path / name
-    result = torchrun("--nproc_per_node=2", "-m", "ciuic_train", *TINY, f"train.max_steps={steps}", "train.log_every=1",
-                      "dist.pp=2", *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=400)
+    result = torchrun(f"--nproc_per_node={ranks}", "-m", "ciuic_train", *TINY, f"train.max_steps={steps}",
+                      "train.log_every=1", "dist.pp=2", *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                      timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
 
-def run_one_process(tmp_path: Path, name: str, micro_batches: int, *overrides: str, steps: int = 20) -> Path:
-    """One process at the pipeline's global batch, split as the pipeline splits it."""
+def run_one_process(tmp_path: Path, name: str, micro_batches: int, *overrides: str, steps: int = 20,
+                    data_shares: int = 1) -> Path:
+    """One process at the pipeline's global batch (`data_shares` x 8 windows), in micro-batches
+    of the pipeline's size."""
     run_dir = tmp_path / name
     result = run_cli(*TINY, f"train.max_steps={steps}", "train.log_every=1", f"train.batch_size={8 // micro_batches}",
-                     f"train.grad_accum={micro_batches}", *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+                     f"train.grad_accum={micro_batches * data_shares}", *overrides, f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
 
-def assert_same_training(pipeline: Path, single: Path) -> None:
+def assert_same_training(pipeline: Path, single: Path, balance_loss: str = "aux_loss") -> None:
     piped, alone = metrics(pipeline), metrics(single)
     assert len(piped) == len(alone) == 20
-    for key in ("loss", "aux_loss", "grad_norm", "moe_imbalance"):
+    for key in ("loss", balance_loss, "grad_norm", "moe_imbalance"):
         assert [m[key] for m in piped] == pytest.approx([m[key] for m in alone], abs=1e-4), key
     assert piped[-1]["val_loss"] == pytest.approx(alone[-1]["val_loss"], abs=1e-4)
     a, b = final_weights(pipeline), final_weights(single)
@@ -133,3 +164,41 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path
     again = metrics(resumed)[-10:]
     assert [m["step"] for m in again] == list(range(11, 21))
     assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in later], abs=1e-5)
+
+
+# With data parallelism in the stages, each data rank takes a strided share of the windows,
+# so a micro-batch holds other sequences than one process's: the balance loss here is the
+# sequence-wise one (a mean over sequences, the same whatever the grouping), not TINY's
+# batch-wise one (a statistic of each micro-batch).
+SEQUENCE_BALANCE = ["model.aux_loss_alpha=0", "model.seq_aux_loss_alpha=0.01"]
+
+
+@pytest.mark.slow
+def test_a_pipeline_of_sharded_expert_parallel_stages_trains_as_one_process(tmp_path):
+    """pp=2 x (dp_shard=2, ep=2) on 4 ranks, 1f1b with MTP: FSDP2 in each stage, the experts
+    split over each stage's two ranks, the MTP's embedding copy sharded too."""
+    layout = [*SEQUENCE_BALANCE, "model.n_mtp_layers=1"]
+    pipeline = run_pipeline(tmp_path, "pp_fsdp_ep", *layout, "dist.dp_shard=2", "dist.ep=2",
+                            "sample.max_new_tokens=8", ranks=4)
+    summary = json.loads((pipeline / "summary.json").read_text())
+    assert summary["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "ep": 2} and summary["world_size"] == 4
+    assert_same_training(pipeline, run_one_process(tmp_path, "one", 2, *layout, data_shares=2), "seq_aux_loss")
+    assert (pipeline / "train.log").read_text().count("sample: ") == 1  # gathered from the shards
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_with_sharded_stages_on_the_same_curve(tmp_path):
+    """Saved with pp=2 at step 10, continued with pp=2 x dp_shard=2 on 4 ranks at the same
+    global batch (4 windows per data rank): the pp=2 run's steps 11-20."""
+    pipeline = run_pipeline(tmp_path, "pp", *SEQUENCE_BALANCE, "ckpt.every=10")
+    resumed = tmp_path / "resumed"
+    shutil.copytree(pipeline, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000020")
+    run_pipeline(tmp_path, "resumed", *SEQUENCE_BALANCE, "train.batch_size=4", "dist.dp_shard=2", "resume=auto",
+                 ranks=4)
+    later = [m for m in metrics(pipeline) if m["step"] > 10]
+    again = metrics(resumed)[-10:]
+    assert [m["step"] for m in again] == list(range(11, 21))
+    for key in ("loss", "seq_aux_loss", "grad_norm"):
+        assert [m[key] for m in again] == pytest.approx([m[key] for m in later], abs=1e-5), key
+    assert again[-1]["val_loss"] == pytest.approx(later[-1]["val_loss"], abs=1e-5)

@@ -2,7 +2,10 @@
 
 Layout of one checkpoint, `<run dir>/checkpoints/step_<N>/`:
 - model and optimizer state through `torch.distributed.checkpoint` (DCP): under FSDP each
-  rank writes its own shards, replicated DDP state is written once;
+  rank writes its own shards, replicated DDP state is written once. The optimizer's
+  state and hyperparameters are keyed by parameter name (DCP's flattened form), not by
+  group index: a pipeline's ranks hold different parameters in their groups, and a
+  checkpoint must load on any split;
 - `rank<R>.json`: what differs between ranks or is not a tensor: step, data position,
   every RNG stream, each trick's state;
 - `meta.json`: what a resume must agree with (model shape, tricks), and what it needs to
@@ -37,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ciuic_train.checkpoint.resume import complete_checkpoints, read_meta
 from ciuic_train.errors import RunFailed, UserError, first_line
@@ -45,6 +48,8 @@ from ciuic_train.files import format_bytes, free_bytes, tree_bytes
 from ciuic_train.model.config import ModelConfig
 
 log = logging.getLogger("ciuic_train")
+
+BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @contextmanager
@@ -107,7 +112,7 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
 
         def write() -> None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=BY_NAME)
             with _single_process_is_fine():
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
             (tmp / f"rank{self.rank}.json").write_text(json.dumps({**rank_state, "rng": _encode_rng()}))
@@ -177,16 +182,20 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, state_of_rank: int | None = None) -> dict[str, Any]:
         """Restore model and optimizer in place; return the JSON state of rank `state_of_rank`
         (default this rank's; another when the checkpoint was written by a different world)."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
         try:
+            # A checkpoint written before the optimizer was keyed by name has its groups by index.
+            by_index = "optim.param_groups.0.lr" in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            options = StateDictOptions() if by_index else BY_NAME
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+            state = {"model": model_sd, "optim": optim_sd}
             with _single_process_is_fine():
                 dcp.load(state, checkpoint_id=str(path))
             rank = self.rank if state_of_rank is None else state_of_rank
             rank_state = json.loads((path / f"rank{rank}.json").read_text())
         except (Exception, CheckpointException) as err:  # DCP's own derives from BaseException
             raise _damaged(path, err) from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
         _decode_rng(rank_state.pop("rng"))
         return rank_state
 

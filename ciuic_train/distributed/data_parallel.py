@@ -47,9 +47,10 @@ def replicate_with_ddp(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None,
     return replica
 
 
-def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool) -> None:
+def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool, roots: list[nn.Module]) -> None:
     """FSDP2: each block's (and MTP depth's) parameters sharded across ranks and gathered
-    when it runs; then the rest (embedding, final norm, lm head) as the root.
+    when it runs; then the rest (embedding, final norm, lm head) in each of `roots`: the
+    model, or a pipeline's stages (which hold those parts of the model it needs).
 
     Under expert parallelism the experts are DTensors split over `ep`; FSDP shards them
     further over the ranks that hold the same experts (`Mesh.expert_copies`), through a
@@ -64,7 +65,8 @@ def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool) -> None:
     placement = _expert_placement(model, mesh) if mesh.shape.ep > 1 else None
     for unit in [*model.layers, *model.mtp]:  # an MTP depth is gathered as a whole
         fully_shard(unit, mesh=dense, mp_policy=policy, shard_placement_fn=placement)
-    fully_shard(model, mesh=dense, mp_policy=policy)
+    for root in roots:
+        fully_shard(root, mesh=dense, mp_policy=policy)
 
 
 def fsdp_precision(bf16: bool):

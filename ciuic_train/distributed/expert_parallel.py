@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ciuic_train.distributed.grads import local_value
 from ciuic_train.model.moe import MoE
 
 
@@ -73,7 +74,7 @@ class ExpertDispatch:
 
     @torch.compiler.disable  # a host sync (the split sizes) and collectives: a graph break anyway
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        w13, w2 = (_ScaleGrad.apply(_local(w), 1 / self.ep_size) for w in (w13, w2))
+        w13, w2 = (_ScaleGrad.apply(local_value(w), 1 / self.ep_size) for w in (w13, w2))
         n_local = w13.shape[0]
         # counts[e] for the global expert e = rank * n_local + local index.
         received = torch.empty_like(counts)
@@ -100,12 +101,6 @@ class ExpertDispatch:
         [source rank, local expert]; a simulation, whose counts hold no values, overrides
         this (ciuic_train/tools/simulate.py)."""
         return counts.view(self.ep_size, -1).sum(1).tolist(), received.sum(1).tolist()
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def split_experts(model: nn.Module, ep_mesh) -> None:

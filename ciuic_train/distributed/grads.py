@@ -59,10 +59,17 @@ def average_gradients_with_consistency(parameters: list[nn.Parameter], parallel:
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
-    """A scalar as a plain tensor, gathered first if it is a sharded (FSDP2) DTensor."""
+    """A tensor as a plain one, gathered first if it is a sharded (FSDP2) DTensor."""
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the tensor itself if plain)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -75,24 +82,34 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Te
     reduction over that mesh's sharded dimensions makes the group's total. Plain tensors
     (one process, or DDP's already averaged gradients) take torch's own path.
     """
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return full_value(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    squares, groups = grad_norm_squares(grads)
+    total = squares.sqrt()
+    scale_to_max_norm_(groups, total, max_norm)
+    return total
+
+
+def grad_norm_squares(grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """The squared global L2 norm of `grads` (plain tensors, or DTensors on any meshes), and
+    the gradients in groups that one foreach call can scale (plain; each mesh's DTensors)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
     plain = [g for g in grads if not isinstance(g, DTensor)]
     groups: dict[Any, list[DTensor]] = {}
     for g in grads:
         if isinstance(g, DTensor):
             groups.setdefault((g.device_mesh, g.placements), []).append(g)
-    if not groups:
-        return full_value(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
-    squares = torch.nn.utils.get_total_norm(plain).pow(2) if plain else torch.zeros((), device=grads[0].device)
+    device = grads[0].device if grads else None
+    squares = torch.nn.utils.get_total_norm(plain).pow(2) if plain else torch.zeros((), device=device)
     for (mesh, placements), members in groups.items():
         local = sum(torch.linalg.vector_norm(g.to_local(), dtype=torch.float32).pow(2) for g in members)
         partial = [Partial() if p.is_shard() else Replicate() for p in placements]
         squares = squares + DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
-    total = squares.sqrt()
-    scale_to_max_norm_([plain, *groups.values()], total, max_norm)
-    return total
+    return squares, [plain, *groups.values()]
 
 
 def scale_to_max_norm_(groups: list[list[torch.Tensor]], total: torch.Tensor, max_norm: float) -> None:

@@ -13,12 +13,12 @@ Three sizes describe a layout (`dist.dp_replicate`, `dist.dp_shard`, `dist.ep`):
 
 A pipeline (`dist.pp`, ciuic_train/distributed/pipeline.py) is the outermost dimension:
 `pp` groups of ranks each hold some of the layers, and the sizes above describe the data
-parallelism within each stage. Global rank = pp rank x (ranks per stage) + data rank.
-Inside a pipeline's stages only one rank per stage is built yet: `pp > 1` needs
-dp_replicate = dp_shard = ep = 1.
+parallelism within each stage, over its `world / pp` ranks. Global rank = pp rank x
+(ranks per stage) + data rank: the ranks of a stage are neighbours (one node, where
+they fit), so what crosses nodes is the pipeline's activations.
 
-The torch mesh has the dimensions (dp_replicate, dp_shard), or (pp,) for a pipeline; the
-experts see dp_shard split into (efsdp, ep).
+The torch mesh has the dimensions (dp_replicate, dp_shard), or (pp, dp_replicate,
+dp_shard) for a pipeline; the experts see dp_shard split into (efsdp, ep).
 
 `resolve_mesh` and `refuse_comm_hook` need no torch, so the CLI checks a layout, and what
 needs DDP's gradient all-reduce on it, before anything starts.
@@ -109,12 +109,20 @@ def resolve_mesh(cfg: DistConfig, world_size: int, local_world_size: int, n_rout
         value = getattr(cfg, key)
         if value < 1 and value != REST:
             raise UserError(f"dist.{key}={value} must be a positive number of ranks, or -1 for the rest")
-    if cfg.pp > 1:
-        return _pipeline_mesh(cfg, world_size)
+    if cfg.pp < 1:
+        raise UserError(f"dist.pp={cfg.pp} must be at least 1 (1: no pipeline)")
+    if world_size % cfg.pp:
+        raise UserError(
+            f"dist.pp={cfg.pp} must divide the world size {world_size} (each pipeline stage gets world / pp "
+            f"ranks); run a multiple of {cfg.pp} ranks"
+        )
+    world_size //= cfg.pp  # from here on, the ranks of one stage
+    # How the messages below name those ranks.
+    size = "world size" if cfg.pp == 1 else f"stage size (world size / dist.pp={cfg.pp})"
     strategy = cfg.strategy.value
     if strategy == "none" and world_size > 1:
         raise UserError(
-            f"dist.strategy=none with world size {world_size} would train unsynchronised replicas; "
+            f"dist.strategy=none with {size} {world_size} would train unsynchronised replicas; "
             "use ddp, fsdp or hsdp"
         )
     replicate, shard = cfg.dp_replicate, cfg.dp_shard
@@ -128,17 +136,17 @@ def resolve_mesh(cfg: DistConfig, world_size: int, local_world_size: int, n_rout
         replicate, shard = 1, REST if shard in (1, REST) else shard
     elif strategy == "hsdp":
         if shard in (1, REST):
-            shard = local_world_size
+            shard = min(local_world_size, world_size)
     if shard == REST:
         shard = world_size // (1 if replicate == REST else replicate)
     if replicate == REST:
         if world_size % shard:
-            raise UserError(f"dist.dp_shard={shard} must divide the world size {world_size} (dist.dp_replicate=-1 takes the rest)")
+            raise UserError(f"dist.dp_shard={shard} must divide the {size} {world_size} (dist.dp_replicate=-1 takes the rest)")
         replicate = world_size // shard
     if replicate * shard != world_size:
         raise UserError(
             f"dist.dp_replicate={replicate} x dist.dp_shard={shard} = {replicate * shard} ranks, "
-            f"but the world size is {world_size}"
+            f"but the {size} is {world_size}"
         )
     if strategy == "hsdp" and world_size > 1 and (replicate == 1 or shard == 1):
         raise UserError(
@@ -153,24 +161,7 @@ def resolve_mesh(cfg: DistConfig, world_size: int, local_world_size: int, n_rout
         )
     if n_routed_experts % ep:
         raise UserError(f"dist.ep={ep} must divide model.n_routed_experts={n_routed_experts}")
-    return MeshShape(replicate, shard, ep)
-
-
-def _pipeline_mesh(cfg: DistConfig, world_size: int) -> MeshShape:
-    """`dist.pp` stages of one rank each, over the whole world."""
-    if world_size != cfg.pp:
-        raise UserError(
-            f"dist.pp={cfg.pp} pipeline stages need {cfg.pp} ranks (one rank per stage), but the world size is "
-            f"{world_size}; run dist.nproc_per_node x nodes = {cfg.pp} ranks"
-        )
-    extra = {key: getattr(cfg, key) for key in ("dp_replicate", "dp_shard", "ep") if getattr(cfg, key) not in (1, REST)}
-    if extra or cfg.strategy.value not in ("auto", "none"):
-        asked = " ".join(f"dist.{k}={v}" for k, v in extra.items()) or f"dist.strategy={cfg.strategy.value}"
-        raise UserError(
-            f"dist.pp={cfg.pp} runs one rank per stage: data or expert parallelism inside the stages ({asked}) "
-            "is not built yet; use dist.pp=1 for it"
-        )
-    return MeshShape(pp=cfg.pp)
+    return MeshShape(replicate, shard, ep, cfg.pp)
 
 
 def refuse_comm_hook(trick: str | None, shape: MeshShape, log_grad_consistency: bool = False) -> None:
@@ -220,25 +211,25 @@ class Mesh:
         self.device = device
         self.device_mesh: DeviceMesh | None = None
         self._expert_view: DeviceMesh | None = None
-        if shape.pp > 1:
+        if shape.world_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.device_mesh = init_device_mesh(device.type, (shape.pp,), mesh_dim_names=("pp",))
-        elif shape.world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self.device_mesh = init_device_mesh(
-                device.type, (shape.dp_replicate, shape.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
-            )
-            self._expert_view = self.device_mesh._unflatten(1, (shape.efsdp, shape.ep), ("efsdp", "ep"))
+            sizes, names = (shape.dp_replicate, shape.dp_shard), ("dp_replicate", "dp_shard")
+            if shape.pp > 1:
+                sizes, names = (shape.pp, *sizes), ("pp", *names)
+            self.device_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
+            self._expert_view = self.device_mesh._unflatten(len(names) - 1, (shape.efsdp, shape.ep), ("efsdp", "ep"))
 
     @property
     def strategy(self) -> str:
         return self.shape.strategy
 
     def dense(self) -> DeviceMesh:
-        """Where every parameter but the routed experts is sharded: 1-D for FSDP, 2-D for HSDP."""
-        return self.device_mesh if self.shape.dp_replicate > 1 else self.device_mesh["dp_shard"]
+        """Where every parameter but the routed experts is sharded: 1-D for FSDP, 2-D for HSDP
+        (and for a pipeline stage's replicas, which FSDP2 runs as HSDP with one shard)."""
+        if self.shape.dp_replicate > 1:
+            return self.device_mesh["dp_replicate", "dp_shard"]
+        return self.device_mesh["dp_shard"]
 
     def experts(self) -> DeviceMesh:
         """The ranks that split the routed experts between them."""
@@ -251,7 +242,7 @@ class Mesh:
         return self._expert_view["efsdp"]
 
     def pipeline(self) -> DeviceMesh:
-        """The ranks of one pipeline, a rank per stage."""
+        """The ranks of one pipeline, a rank per stage: this rank's data share in each stage."""
         return self.device_mesh["pp"]
 
     def replicas(self) -> DeviceMesh:

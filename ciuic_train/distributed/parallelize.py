@@ -10,7 +10,10 @@
 4. data parallelism over the mesh (ciuic_train/distributed/mesh.py), in
    ciuic_train/distributed/data_parallel.py: DDP replicas when `dp_shard=1` (with a
    trick's communication hook if one claims it), else FSDP2 (`fully_shard` per block,
-   then the root; HSDP when `dp_replicate > 1`). Under FSDP2 the routed experts are
+   then the root; HSDP when `dp_replicate > 1`). A pipeline's stages run every
+   data-parallel layout on FSDP2, each stage a root (`fsdp_roots`): torch's schedules
+   drive FSDP2's gradient sync (none until a stage's last micro-batch), and replicas
+   are HSDP with one shard. Under FSDP2 the routed experts are
    sharded over the ranks that hold the same experts, everything else over all shard
    ranks. With `precision=bf16`, FSDP2 gathers parameters in bf16 and reduces
    gradients in fp32;
@@ -58,13 +61,15 @@ def parallelize(
     config: Config,
     comm_hook: CommHook | None = None,
     init: Callable[[nn.Module], None] | None = None,
+    fsdp_roots: list[nn.Module] | None = None,
 ) -> nn.Module:
     """Wrap `model` as the mesh and config ask, materialize it, and `init(model)` its values;
     returns the module the training step calls.
 
     That is DDP's wrapper under `ddp`, else `model` itself (FSDP2 shards it in place).
     Checkpoints, counts and sampling keep using `model`. A model built on a device keeps
-    its memory, and is filled only if `init` is given.
+    its memory, and is filled only if `init` is given. `fsdp_roots`: a pipeline's stage
+    modules, over `model`'s parts, which FSDP2 takes as its roots in place of `model`.
     """
     hook_trick = comm_hook.trick if comm_hook is not None else None
     refuse_comm_hook(hook_trick, mesh.shape, config.train.log_grad_consistency)
@@ -76,13 +81,13 @@ def parallelize(
     if config.compile:
         for block in model.blocks():
             block.compile()
-    if mesh.strategy == "ddp":
+    if mesh.strategy == "ddp" and fsdp_roots is None:
         materialize(model, mesh.device, init)
         return replicate_with_ddp(model, mesh, comm_hook, config.dist.ddp_bucket_mb)
     if comm_hook is not None:  # one process: a sharded mesh refused the hook above
         log.warning(f"trick {hook_trick}: world size 1, no gradient all-reduce to act on")
-    if mesh.strategy in ("fsdp", "hsdp"):
-        shard_with_fsdp(model, mesh, bf16=config.precision is Precision.bf16)
+    if mesh.strategy != "none":
+        shard_with_fsdp(model, mesh, bf16=config.precision is Precision.bf16, roots=fsdp_roots or [model])
     materialize(model, mesh.device, init)
     return model
 

@@ -5,7 +5,13 @@ this rank, only what its stages run (`pipeline_split.stages_of_rank`): their lay
 their full names (`LayerStack.keep`), the embedding on the first stage, the final norm,
 the head and the MTP depths on the last. Checkpoints therefore name every tensor as the
 whole model does, whatever the split, and DCP resumes them on any other layout. The
-model is then materialized and initialized by name as in every layout (`materialize`).
+model is then parallelized within each stage, materialized and initialized by name as
+in every layout (`parallelize`, with the stage modules as FSDP2's roots).
+
+Each stage may have several ranks (`world / pp`, the mesh's data dimensions): they split
+the data, and FSDP2 shards (or, for replicas, replicates) the stage's parameters over
+them, with expert parallelism inside as without a pipeline. torch's schedules drive
+FSDP2's gradient sync: none until a stage's last micro-batch, then one reduction.
 
 Each stage is a `StageModule` (a view over the rank's model) inside torch's
 `PipelineStage`; the schedule (`dist.pp_schedule`) runs each `train.batch_size` batch as
@@ -23,34 +29,38 @@ spread here as follows:
   describes otherwise;
 - an embedding that two ranks hold (the last stage's MTP depths or tied head, with the
   first stage elsewhere) has its gradient summed over both, so the copies stay equal;
-- the global gradient norm sums every stage's squares; the MoE imbalance is the worst
-  over stages; the loss is the last stage's, the others report 0 (the step's agreement
-  divides the sum by the number of pipelines).
+- the global gradient norm sums every stage's squares; each stage's expert bias moves
+  by its layers' counts summed over the stage's ranks, and the MoE imbalance is the
+  worst over stages; the loss is the last stage's, the others report 0 (the step's
+  agreement divides the sum by the number of data shares).
 
 Evaluation runs through the schedule's forward-only path. A sample is generated from the
-whole model gathered on rank 0 (`sampling_model`), where it fits.
+whole model gathered on rank 0 (`sampling_model`), where it fits. Under `precision=bf16`
+each stage runs under autocast, as the whole model does.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ciuic_train.config import Config
+from ciuic_train.config import Config, Precision
 from ciuic_train.distributed.pipeline_split import (
     V_SHAPED,
     balanced_split,
+    check_pipeline_mesh,
     n_microbatches,
     n_stages,
     stages_of_rank,
 )
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.model import Transformer
-from ciuic_train.distributed.grads import scale_to_max_norm_
+from ciuic_train.distributed.grads import full_value, grad_norm_squares, local_value, scale_to_max_norm_
 from ciuic_train.model.counting import pipeline_costs
 from ciuic_train.model.transformer import balance_terms, side_loss_figures
 from ciuic_train.train.loop import poison_loss
@@ -80,22 +90,30 @@ class StageModule(nn.Module):
     rank's model (not registered) holds them under their full names.
     """
 
-    def __init__(self, model: Transformer, index: int, count: int, layers: list[int], mtp_loss_weight: float):
+    def __init__(self, model: Transformer, index: int, count: int, layers: list[int], mtp_loss_weight: float,
+                 embedding_here: bool, autocast: Any):
+        """`embedding_here`: this stage registers the embedding (the first stage; the last too
+        where MTP or a tied head needs it and the first stage is on another rank, so each
+        module has one stage that FSDP2 gathers it in)."""
         super().__init__()
         self.index, self.is_first, self.is_last = index, index == 0, index == count - 1
         self.blocks = nn.ModuleList(model.layers[i] for i in layers)
-        if self.is_first:
+        if embedding_here:
             self.tok_embeddings = model.tok_embeddings
         if self.is_last:
             self.norm, self.lm_head, self.mtp = model.norm, model.lm_head, model.mtp
         object.__setattr__(self, "model", model)
-        self.mtp_loss_weight = mtp_loss_weight
+        self.mtp_loss_weight, self.autocast = mtp_loss_weight, autocast
         self.loss_scale = 1.0  # the current micro-batches' share of the step's loss
         self.figures: list[dict[str, torch.Tensor]] = []  # each training micro-batch's side losses
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`x`: the token ids [mb, T] on the first stage, else the previous stage's output
         [mb, T, dim]; `tokens` and `targets` [mb, T]: the micro-batch's, on every stage."""
+        with self.autocast:
+            return self._forward(x, tokens, targets)
+
+    def _forward(self, x: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         model = self.model
         seq = tokens.shape[1]
         cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
@@ -134,11 +152,13 @@ class Pipeline:
 
     full_batches = True
 
-    def __init__(self, model: Transformer, parallel: Parallel, config: Config):
+    def __init__(self, model: Transformer, parallel: Parallel, config: Config, autocast: Any = None):
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.parallel, self.config = model, parallel, config
         cfg = config.dist
+        shape = parallel.mesh.shape
+        check_pipeline_mesh(config, shape)
         self.n_microbatches = n_microbatches(cfg)
         self.micro_batch_size = config.train.batch_size // self.n_microbatches
         self.split = split_layers(model, config)
@@ -148,7 +168,11 @@ class Pipeline:
         self.stage_ids = stages_of_rank(parallel.pp_rank, cfg)
         self.holds_first, self.holds_last = 0 in self.stage_ids, count - 1 in self.stage_ids
         self.holds_loss = self.holds_last
-        self.group = parallel.mesh.pipeline().get_group()
+        self.group = parallel.mesh.pipeline().get_group()  # this rank's data share in each stage
+        # The ranks of this rank's stage(s), which split its data: its bias update sums their counts.
+        data = shape.data_parallel_size
+        self.stage_group = dist.new_subgroups_by_enumeration(
+            [list(range(p * data, (p + 1) * data)) for p in range(cfg.pp)])[0] if data > 1 else None
         # The side losses every stage reports (0 where none of its layers has them): the
         # step's agreement sums the same figures on every rank.
         mcfg = model.config
@@ -156,11 +180,21 @@ class Pipeline:
                            if on and model.moe_layers()] + (["mtp_loss"] if mcfg.n_mtp_layers else [])
         self._keep_own_parts()
         self.embedding_holders = self._embedding_holders(count)
-        self.stages = [StageModule(model, i, count, self.split[i], config.train.mtp_loss_weight) for i in self.stage_ids]
+        self.stages = [
+            StageModule(model, i, count, self.split[i], config.train.mtp_loss_weight,
+                        embedding_here=i == 0 or (i == count - 1 and not self.holds_first and model.tok_embeddings is not None),
+                        autocast=autocast or nullcontext())
+            for i in self.stage_ids
+        ]
         micro, seq, dim = self.micro_batch_size, config.train.seq_len, model.config.dim
-        # What passes between stages, for torch's static stage metadata: an activation
-        # that takes a gradient back, in fp32 (the residual stream's dtype under autocast too).
-        hidden = torch.empty(micro, seq, dim, device="meta", requires_grad=True)
+        # What passes between stages, for torch's static stage metadata: an activation that
+        # takes a gradient back, in the residual stream's dtype: fp32 (under autocast too),
+        # bf16 where FSDP2 gathers the embedding in bf16 (precision=bf16 with data
+        # parallelism in the stages).
+        bf16_stream = config.precision is Precision.bf16 and shape.strategy != "none"
+        hidden = torch.empty(micro, seq, dim, device="meta", requires_grad=True,
+                             dtype=torch.bfloat16 if bf16_stream else torch.float32)
+        self.hidden_dtype = hidden.dtype
         tokens = torch.empty(micro, seq, dtype=torch.long, device="meta")
         self.torch_stages = [
             PipelineStage(
@@ -190,14 +224,15 @@ class Pipeline:
             model.mtp = nn.ModuleList()
 
     def _embedding_holders(self, count: int) -> Any:
-        """The group of the two ranks holding the embedding when the last stage needs it on
-        another rank than the first's, else None (every rank takes part in forming it)."""
+        """This rank's group of the two ranks (of one data share) holding the embedding when
+        the last stage needs it on another pipeline rank than the first's, else None."""
         model_cfg = self.model.config
         last_rank = self.stage_owner[count - 1]
         if last_rank == 0 or not (model_cfg.n_mtp_layers or model_cfg.tie_embeddings):
             return None
-        group = dist.new_group([0, last_rank])
-        return group if self.parallel.pp_rank in (0, last_rank) else None
+        data = self.parallel.data_world
+        group, _ = dist.new_subgroups_by_enumeration([[d, last_rank * data + d] for d in range(data)])
+        return group
 
     def _schedule(self, name: str):
         from torch.distributed.pipelining import schedules
@@ -230,7 +265,8 @@ class Pipeline:
                     if self.parallel.pp_rank == before:
                         dist.send(x.contiguous(), group_dst=here, group=self.group)
                     else:
-                        x = torch.empty(micro, tokens.shape[1], self.model.config.dim, device=tokens.device)
+                        x = torch.empty(micro, tokens.shape[1], self.model.config.dim, device=tokens.device,
+                                        dtype=self.hidden_dtype)
                         dist.recv(x, group_src=before, group=self.group)
                 if index in mine:
                     x = mine[index](x, tokens_mb, targets_mb)
@@ -272,38 +308,41 @@ class Pipeline:
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.parallel.device)
 
     def _sum_embedding_gradients(self) -> None:
+        """The two copies' gradients (each already averaged over its stage's data ranks,
+        sharded alike) summed, so the copies stay equal."""
         if self.embedding_holders is None:
             return
         weight = self.model.tok_embeddings.weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=self.embedding_holders)
+        dist.all_reduce(local_value(weight.grad), group=self.embedding_holders)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """As `grads.clip_grad_norm_`, with every stage's squares summed (a held copy of the
         embedding counted once, on the first stage's rank)."""
-        params = list(self.model.parameters())
+        params = [p for p in self.model.parameters() if p.grad is not None]
         copy = self.model.tok_embeddings.weight if (self.embedding_holders and not self.holds_first) else None
-        counted = [p.grad for p in params if p.grad is not None and p is not copy]
-        squares = torch.nn.utils.get_total_norm(counted).pow(2) if counted else torch.zeros((), device=self.parallel.device)
+        squares, groups = grad_norm_squares([p.grad for p in params if p is not copy])
         dist.all_reduce(squares, group=self.group)
         total = squares.sqrt()
-        scale_to_max_norm_([[p.grad for p in params if p.grad is not None]], total, max_norm)
+        scale_to_max_norm_([*groups, [copy.grad] if copy is not None and copy.grad is not None else []], total, max_norm)
         return total
 
     def balance_experts(self) -> torch.Tensor:
-        """Each stage's bias update from its own layers' counts (one rank per stage: no
-        reduction); returns the worst imbalance over stages."""
-        imbalance = self.model.balance_experts().float()
+        """Each stage's bias update from its own layers' counts, summed over the stage's data
+        ranks; returns the worst imbalance over stages."""
+        group = self.stage_group
+        imbalance = self.model.balance_experts(all_reduce=(lambda t: dist.all_reduce(t, group=group)) if group else None)
+        imbalance = imbalance.float()
         dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=self.group)
         return imbalance
 
     def sampling_model(self) -> Transformer | None:
-        """The whole model gathered on rank 0 (None elsewhere) from every rank's weights, where
-        it fits: a collective."""
-        state = {name: t.detach().cpu() for name, t in self.model.state_dict().items()}
-        everyone: list[Any] = [None] * self.parallel.world_size
-        dist.all_gather_object(everyone, state)
+        """The whole model gathered on rank 0 (None elsewhere) from the first data share's
+        weights, where it fits: a collective (FSDP2's shards are gathered within each stage)."""
+        state = {name: full_value(t).detach().cpu() for name, t in self.model.state_dict().items()}
+        everyone: list[Any] = [None] * self.parallel.world_size if self.parallel.is_main else None
+        dist.gather_object(state if self.parallel.data_rank == 0 else {}, everyone, dst=0)
         if not self.parallel.is_main:
             return None
         whole = Transformer(self.model.config).to(self.parallel.device)

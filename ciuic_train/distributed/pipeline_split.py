@@ -114,6 +114,23 @@ def check_pipeline(config: Config) -> None:
                         "does not have")
 
 
+def check_pipeline_mesh(config: Config, shape: Any) -> None:
+    """Refuse what a pipeline cannot run on its resolved mesh (`shape`, a MeshShape): the
+    CLI calls it before anything starts, the pipeline again when it is built.
+
+    With data parallelism in the stages, FSDP2 gathers each module in one stage only; a
+    tied head on the V's last stage would share its weight with the first stage on the
+    same rank.
+    """
+    if config.dist.pp > 1 and shape.data_parallel_size > 1 and config.model.tie_embeddings \
+            and config.dist.pp_schedule.value in V_SHAPED:
+        raise UserError(
+            f"model.tie_embeddings=true with dist.pp_schedule={config.dist.pp_schedule.value} and data parallelism in "
+            f"the stages ({shape.describe()}): the V's first and last stages on one rank would both gather the shared "
+            "weight; use 1f1b or interleaved_1f1b, or untie"
+        )
+
+
 def balanced_split(layer_costs: list[float], first_extra: float, last_extra: float, stages: int) -> list[int]:
     """Layers per stage, in order, each at least one, that make the costliest stage as
     cheap as it can be; the first stage also carries `first_extra`, the last `last_extra`.

@@ -129,9 +129,10 @@ class Trainer:
             else nullcontext()
         )
         with self.memory.during("building the model"):
-            pipeline = Pipeline(self.model, self.parallel, config) if config.dist.pp > 1 else None
+            pipeline = Pipeline(self.model, self.parallel, config, self.autocast) if config.dist.pp > 1 else None
             self.wrapped_model = parallelize(
-                self.model, self.parallel.mesh, config, self.tricks.comm_hook(), init=self._initialize
+                self.model, self.parallel.mesh, config, self.tricks.comm_hook(), init=self._initialize,
+                fsdp_roots=pipeline.stages if pipeline else None,
             )
         self.passes = pipeline or ModelPasses(self.model, self.wrapped_model, self.parallel, config, self.tricks,
                                               self.autocast)
