@@ -233,3 +233,35 @@ def test_a_model_field_newer_than_the_checkpoint_counts_as_its_default():
     with pytest.raises(UserError, match="model.n_expert_groups is 1 there, 4 now"):
         check_resumable({**meta, "model": {**before, "n_routed_experts": 8}},
                         {"model": grouped, "tricks": [], "world_size": 1}, False)
+
+
+def test_a_checkpoint_with_the_optimizer_by_group_index_still_resumes(tmp_path):
+    """Checkpoints written before the optimizer was keyed by parameter name hold its groups by
+    index; they load as they were written, Adam's moments and step included."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ciuic_train.checkpoint.checkpointer import Checkpointer, _encode_rng
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        optimizer = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters(),
+                                                                           "weight_decay": 0.0}], lr=0.1)
+        return model, optimizer
+
+    model, optimizer = model_and_optimizer()
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    old = tmp_path / "step_000001"
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # the former layout: groups by index
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(old))
+    assert "optim.param_groups.0.lr" in dcp.FileSystemReader(str(old)).read_metadata().state_dict_metadata
+    (old / "rank0.json").write_text(json.dumps({"rng": _encode_rng()}))
+
+    restored, restored_optimizer = model_and_optimizer()
+    Checkpointer(tmp_path, 0, 1, keep_last=1).load(old, restored, restored_optimizer)
+    for p, q in zip(model.parameters(), restored.parameters()):
+        torch.testing.assert_close(optimizer.state[p]["exp_avg"], restored_optimizer.state[q]["exp_avg"])
+    assert [g["weight_decay"] for g in restored_optimizer.param_groups] == [0.01, 0.0]
+
