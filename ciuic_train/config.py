@@ -243,7 +243,8 @@ class CheckpointConfig:
 class FaultConfig:
     """Fault injection for testing recovery: on the first attempt only, rank `kill_rank`
     SIGKILLs itself right after optimizer step `at_step`; rank `nan_rank`'s loss is NaN
-    in optimizer step `nan_at_step` (every attempt), as a diverging rank's would be;
+    in optimizer step `nan_at_step` (every attempt), as a diverging rank's would be (on a
+    pipeline rank without the loss, its stage's output);
     rank `oom_rank` caps its address space at what it maps before step `oom_at_step`
     (every attempt), so that step's first allocation needing more fails in the allocator."""
 

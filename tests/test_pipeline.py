@@ -202,3 +202,33 @@ def test_a_pipeline_checkpoint_resumes_with_sharded_stages_on_the_same_curve(tmp
     for key in ("loss", "seq_aux_loss", "grad_norm"):
         assert [m[key] for m in again] == pytest.approx([m[key] for m in later], abs=1e-5), key
     assert again[-1]["val_loss"] == pytest.approx(later[-1]["val_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_nan_on_a_stage_without_the_loss_stops_every_rank_with_one_line(tmp_path):
+    """Rank 0 (the first stage) sends NaN activations in step 5: both stages stop at that
+    step, in one line, status 3, with the last good checkpoint named."""
+    run_dir = tmp_path / "run"
+    result = run_cli(*TINY, "train.max_steps=8", "ckpt.every=2", "dist.pp=2", "dist.nproc_per_node=2",
+                     "fault.nan_rank=0", "fault.nan_at_step=5", "dist.timeout_s=60", f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path, timeout=240)
+    assert result.returncode == 3, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("[")]
+    assert line.startswith("ciuic-train: error: training diverged at step 5: loss nan"), line
+    assert f"last good checkpoint {run_dir / 'checkpoints' / 'step_000004'}" in line
+
+
+@pytest.mark.slow
+def test_a_killed_stage_restarts_and_ends_bit_identical(tmp_path):
+    """Rank 1 (the last stage) SIGKILLs itself after step 13; torchrun restarts both ranks,
+    which resume from step 10 and end with the uninterrupted run's weights, bit for bit."""
+    whole = run_pipeline(tmp_path, "whole", "ckpt.every=10")
+    killed = tmp_path / "killed"
+    result = torchrun("--nproc_per_node=2", "--max-restarts=1", "-m", "ciuic_train", *TINY, "train.max_steps=20",
+                      "train.log_every=1", "dist.pp=2", "ckpt.every=10", "fault.kill_rank=1", "fault.at_step=13",
+                      f"hydra.run.dir={killed}", cwd=tmp_path, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step_000010")
+    assert summary["param_checksum"] == json.loads((whole / "summary.json").read_text())["param_checksum"]
+    assert [m["step"] for m in metrics(killed)] == list(range(1, 21))

@@ -105,6 +105,8 @@ class StageModule(nn.Module):
         object.__setattr__(self, "model", model)
         self.mtp_loss_weight, self.autocast = mtp_loss_weight, autocast
         self.loss_scale = 1.0  # the current micro-batches' share of the step's loss
+        # The fault injection's NaN (`fault.nan_rank`) on a stage without the loss: its output.
+        self.poison: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
         self.figures: list[dict[str, torch.Tensor]] = []  # each training micro-batch's side losses
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -134,7 +136,7 @@ class StageModule(nn.Module):
             self.figures.append(side_loss_figures(list(self.blocks), None))
             if terms:
                 x = CarryLoss.apply(x, torch.stack(terms).sum() * self.loss_scale)
-        return x
+        return self.poison(x)
 
 
 def split_layers(model: Transformer, config: Config) -> list[list[int]]:
@@ -275,15 +277,20 @@ class Pipeline:
 
     def _loss_fn(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The last stage's micro-batch loss, scaled to its share of the step."""
-        loss = poison_loss(self.config.fault, self.parallel.info.rank, self._step + 1, loss)
+        loss = self._poison(loss)
         self._losses.append(loss.detach())
         return loss * self._weight
+
+    def _poison(self, value: torch.Tensor) -> torch.Tensor:
+        """NaN on rank `fault.nan_rank` in step `fault.nan_at_step`: the loss on the last
+        stage, a stage's output elsewhere (what a diverging stage would send on)."""
+        return poison_loss(self.config.fault, self.parallel.info.rank, self._step + 1, value)
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, run: Callable) -> list[torch.Tensor]:
         self._losses = []
         for stage in self.stages:
             stage.figures = []
-            stage.loss_scale = self._weight
+            stage.loss_scale, stage.poison = self._weight, self._poison
         args = (inputs,) if self.holds_first else ()
         run(*args, target=targets, return_outputs=False, tokens=inputs, targets=targets)
         return self._losses
