@@ -114,6 +114,10 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
     ("ep", 1, ["dist.dp_shard=2", "dist.ep=2"], ["dist.dp_shard=2", "dist.ep=2"]),
     # Shards within a host, replicas across them: the layout HSDP is for.
     ("hsdp_ep", 2, ["dist.strategy=hsdp", "dist.ep=2"], ["dist.dp_replicate=2", "dist.dp_shard=2", "dist.ep=2"]),
+    # A pipeline stage per host: only activations cross the link (and FSDP2 within a host).
+    ("pp", 1, ["dist.pp=2"], ["dist.pp=2"]),
+    ("pp_fsdp_ep", 2, ["dist.pp=2", "dist.dp_shard=2", "dist.ep=2", "model.n_layers=4"],
+     ["dist.pp=2", "dist.dp_shard=2", "dist.ep=2", "model.n_layers=4"]),
 ])
 def test_two_hosts_end_with_the_weights_of_one_host(workdir, name, nproc, two_host_layout, one_host_layout):
     steps = ["train.max_steps=6", f"train.batch_size={4 // nproc}"]
