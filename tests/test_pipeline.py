@@ -13,6 +13,7 @@ from ciuic_train.config import DistConfig
 from ciuic_train.distributed.mesh import MeshShape, resolve_mesh
 from ciuic_train.distributed.pipeline_split import balanced_split, check_pipeline_mesh, stages_of_rank
 from ciuic_train.errors import UserError
+from ciuic_train.tools.plan import plan_figures
 
 # Four layers (one dense, three MoE), so two ranks can hold two stages each; a balance
 # loss on, so its gradient must cross stages; 8 windows per batch.
@@ -182,6 +183,10 @@ def test_a_pipeline_of_sharded_expert_parallel_stages_trains_as_one_process(tmp_
                             "sample.max_new_tokens=8", ranks=4)
     summary = json.loads((pipeline / "summary.json").read_text())
     assert summary["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "ep": 2} and summary["world_size"] == 4
+    # --plan's figure for pipeline rank 0 is what rank 0 stores.
+    planned = plan_figures(compose_config(*TINY, *layout, "dist.pp=2", "dist.dp_shard=2", "dist.ep=2",
+                                          "dist.nproc_per_node=4"))
+    assert planned["pipeline"]["ranks"][0]["memory"]["params"] == summary["param_bytes_per_rank"]
     assert_same_training(pipeline, run_one_process(tmp_path, "one", 2, *layout, data_shares=2), "seq_aux_loss")
     assert (pipeline / "train.log").read_text().count("sample: ") == 1  # gathered from the shards
 

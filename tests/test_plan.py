@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from ciuic_train.config import to_config
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters
-from ciuic_train.tools.plan import GIB, plan_figures
+from ciuic_train.tools.plan import plan_figures
+from ciuic_train.tools.plan_memory import GIB
 from conftest import peak_resident_growth, run_cli, torchrun, write_text_corpus
 
 TINY = ["model=tiny", "train.seq_len=64", "train.eval_windows=16", "sample.max_new_tokens=0", "progress=plain", "train.max_steps=2"]

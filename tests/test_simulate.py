@@ -102,6 +102,14 @@ def test_ddp_is_refused_in_one_line():
         simulate(compose_config("model=tiny", "dist.nproc_per_node=2"))
 
 
+def test_a_pipeline_is_refused_in_one_line(tmp_path: Path):
+    result = run_cli("model=tiny", "model.n_layers=4", "dist.pp=2", "dist.nproc_per_node=2", "--plan", "--simulate",
+                     cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("ciuic-train: error: --simulate steps a rank of the whole model, not a pipeline "
+                                     "stage (dist.pp=2): --plan alone gives each pipeline rank's figures")
+
+
 def test_cli_plan_simulate_prints_the_simulation_beside_the_plan(tmp_path: Path):
     result = run_cli(*SMALL_ON_4, "--plan", "--simulate", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -149,6 +149,19 @@ def split_layers(model: Transformer, config: Config) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(len(sizes))]
 
 
+def keep_stage_parts(model: Transformer, stage_ids: list[int], split: list[list[int]]) -> None:
+    """Drop from `model` (on meta: nothing is allocated) what none of `stage_ids` runs: the
+    layers of other stages; the embedding unless the first stage is here, or the last with
+    MTP or a tied head; the final norm, the head and MTP unless the last stage is here."""
+    holds_first, holds_last = 0 in stage_ids, len(split) - 1 in stage_ids
+    model.layers.keep([i for s in stage_ids for i in split[s]])
+    if not (holds_first or (holds_last and (model.mtp or model.config.tie_embeddings))):
+        model.tok_embeddings = None
+    if not holds_last:
+        model.norm = model.lm_head = None
+        model.mtp = nn.ModuleList()
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs them (see the module docstring)."""
 
@@ -180,7 +193,7 @@ class Pipeline:
         mcfg = model.config
         self.side_names = [name for name, on in (("aux_loss", mcfg.aux_loss_alpha), ("seq_aux_loss", mcfg.seq_aux_loss_alpha))
                            if on and model.moe_layers()] + (["mtp_loss"] if mcfg.n_mtp_layers else [])
-        self._keep_own_parts()
+        keep_stage_parts(model, self.stage_ids, self.split)
         self.embedding_holders = self._embedding_holders(count)
         self.stages = [
             StageModule(model, i, count, self.split[i], config.train.mtp_loss_weight,
@@ -213,17 +226,6 @@ class Pipeline:
             sizes = ", ".join(f"{len(layers)}" for layers in self.split)
             log.info(f"pipeline: {count} stages over {cfg.pp} ranks ({cfg.pp_schedule.value}, "
                      f"{self.n_microbatches} micro-batches of {micro}); layers per stage {sizes}")
-
-    def _keep_own_parts(self) -> None:
-        """Drop, while still on meta, what none of this rank's stages runs."""
-        model = self.model
-        model.layers.keep([i for s in self.stage_ids for i in self.split[s]])
-        needs_embedding = self.holds_first or (self.holds_last and (model.mtp or model.config.tie_embeddings))
-        if not needs_embedding:
-            model.tok_embeddings = None
-        if not self.holds_last:
-            model.norm = model.lm_head = None
-            model.mtp = nn.ModuleList()
 
     def _embedding_holders(self, count: int) -> Any:
         """This rank's group of the two ranks (of one data share) holding the embedding when

@@ -25,7 +25,7 @@ the FSDP working buffers, the all-to-all volume (an expectation under uniform ro
 and therefore the totals and the "fits" verdicts. Not counted at all: the CUDA context,
 NCCL's buffers, allocator fragmentation, tricks' own state, evaluation steps.
 
-Per-rank state (see `_stored_elements`)
+Per-rank state (see `plan_memory._stored_elements`)
 ---------------------------------------
 A parameter of shape [d0, ...] is stored whole under DDP (dp_shard=1) or one process.
 Under FSDP2/HSDP it is cut on dim 0 into n chunks as `torch.chunk` does, and every rank
@@ -48,7 +48,7 @@ ranks that hold the same experts: ceil((E / ep) / efsdp) experts' rows. Replicas
   in fp32 (the reduce dtype): 4 bytes per gathered element of every unit
   (`accumulated_grads`).
 
-FSDP's all-gathers (see `_units`)
+FSDP's all-gathers (see `plan_memory.fsdp_units`)
 ---------------------------------
 FSDP2 wraps each block (`fully_shard(block)`) and each MTP depth, then the root
 (embedding, final norm, lm head). A unit's gather returns, per parameter, n * ceil(d0 / n) * rest elements (dense,
@@ -85,6 +85,10 @@ gradients unsharded and in fp32 for the reduce-scatter. So
 (the FSDP terms under FSDP2 only). `--plan --simulate` measures a step
 (`simulate.py`); docs/plan.md sets the two side by side.
 
+A pipeline (`dist.pp > 1`, `plan_pipeline.py`): the same formulas over the parts each
+pipeline rank keeps, with its activations from the schedule's order (the micro-batches
+in flight); the figures above are then those of the pipeline rank that needs the most.
+
 Communication per optimizer step (see `_communication`), bytes a rank sends
 --------------------------------------------------------------------------
 - all-gather (FSDP, exact): per micro-batch, every block twice (forward, and again in
@@ -106,29 +110,15 @@ Scalar reductions (loss, grad norm) are left out.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ciuic_train.config import Config
 from ciuic_train.distributed.mesh import MeshShape, expected_mesh
 from ciuic_train.tools.plan_activations import Widths, activation_bytes
+from ciuic_train.tools.plan_memory import Unit, build_meta_model, fsdp_units, memory_figures
 
 if TYPE_CHECKING:
     from torch import nn
-
-GIB = 2**30
-# What torch reports as total memory on these GPUs, rounded down (GiB).
-GPUS = {"80 GB": 79.0, "141 GB": 139.0}
-
-
-def build_meta_model(config: Config) -> nn.Module:
-    import torch
-
-    from ciuic_train.model import Transformer
-
-    with torch.device("meta"):
-        return Transformer(config.model)
 
 
 def resolve_plan_mesh(config: Config) -> MeshShape:
@@ -148,34 +138,22 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
     widths = Widths.of(config, mesh)
     total, active = count_parameters(model)
     mtp_total, mtp_active = count_mtp_parameters(model)
-    units = _units(model, mesh)
-    sharded = mesh.strategy in ("fsdp", "hsdp")
+    pipeline = None
+    if config.dist.pp > 1:
+        from ciuic_train.tools.plan_pipeline import pipeline_plan
 
-    stored = {"experts": 0, "other": 0}
-    tensors = {"experts": 0, "other": 0}
-    for unit in units:
-        for kind in stored:
-            stored[kind] += unit.stored[kind]
-            tensors[kind] += unit.tensors[kind]
-    params = {kind: 4 * n for kind, n in stored.items()}
-    grads = dict(params)
-    optimizer = {kind: 8 * n + 4 * tensors[kind] for kind, n in stored.items()}
-    ddp_buckets = 4 * sum(stored.values()) if mesh.strategy == "ddp" else 0
-    accumulated = (
-        4 * sum(u.gathered for u in units) if sharded and config.train.grad_accum > 1 else 0
-    )
-    blocks = units[:-1]
-    largest_block = max((u.gathered for u in blocks), default=0) * widths.g if sharded else 0
-    root = units[-1].gathered * widths.g if sharded else 0
-    largest_unit = max((u.gathered for u in units), default=0)
-    fsdp_buffers = root + 2 * largest_block + largest_unit * (widths.g + 4) if sharded else 0
-
-    acts = activation_bytes(config, widths, [u.matmul_weights for u in blocks])
-    state = sum(params.values()) + sum(grads.values()) + sum(optimizer.values()) + ddp_buckets + accumulated
-    held = sum(params.values()) + sum(optimizer.values()) + ddp_buckets + accumulated
-    backward_end = sum(grads.values()) + (root + largest_unit * (widths.g + 4) if sharded else 0)
-    totals = {key: held + max(root + 2 * largest_block + acts[key], backward_end) for key in ("no_ac", "ac")}
-    fits = {gpu: {key: totals[key] <= cap * GIB for key in totals} for gpu, cap in GPUS.items()}
+        pipeline = pipeline_plan(config, mesh, widths)
+        # The pipeline rank that needs the most memory speaks for the run (the check a
+        # run makes compares it with the device); the table gives every rank.
+        busiest = max(pipeline["ranks"], key=lambda r: r["memory"]["total"]["no_ac"])
+        units, memory, fits = busiest["units"], busiest["memory"], busiest["fits"]
+        pipeline["busiest"] = busiest["rank"]
+        comm_config, comm_model = busiest["micro_config"], busiest["model"]
+    else:
+        units = fsdp_units(model, mesh)
+        acts = activation_bytes(config, widths, [u.matmul_weights for u in units[:-1]])
+        memory, fits = memory_figures(config, mesh, widths, units, acts)
+        comm_config, comm_model = config, model
     return {
         "model": config.model.name,
         "world_size": mesh.world_size,
@@ -184,92 +162,14 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
         "parameters": {"total": total, "active": active, "mtp": mtp_total, "mtp_active": mtp_active},
         "widths": {"residual": widths.r, "activation": widths.a, "gather": widths.g},
         "tokens_per_rank": config.train.batch_size * config.train.seq_len,
-        "memory": {
-            "params": params,
-            "grads": grads,
-            "optimizer": optimizer,
-            "ddp_buckets": ddp_buckets,
-            "accumulated_grads": accumulated,
-            "largest_block_all_gather": largest_block,
-            "root_all_gather": root,
-            "fsdp_buffers": fsdp_buffers,
-            "activations": acts,
-            "state": state,
-            "total": totals,
-        },
+        "memory": memory,
         "activation_checkpointing": config.activation_checkpointing,
         "fits": fits,
-        "comm": _communication(config, model, mesh, widths, units),
+        "comm": _communication(comm_config, comm_model, mesh, widths, units),
+        **({"pipeline": {key: value for key, value in pipeline.items() if key != "ranks"} | {
+            "ranks": [{k: v for k, v in r.items() if k not in ("units", "micro_config", "model")}
+                      for r in pipeline["ranks"]]}} if pipeline else {}),
     }
-
-
-# --- Parameters per FSDP unit -------------------------------------------------------------
-
-
-@dataclass
-class Unit:
-    """One FSDP unit (a block, or the root): its parameters as this rank stores and gathers them."""
-
-    stored: dict[str, int]  # elements stored on rank 0, experts and the rest
-    tensors: dict[str, int]  # parameter tensors, experts and the rest
-    gathered: int  # elements of the unit's all-gather output (padded), 0 when not sharded
-    sent: dict[str, int]  # elements this rank sends in one all-gather (= in one reduce-scatter)
-    replica_shard: int  # elements HSDP all-reduces across replicas (the stored shard)
-    matmul_weights: int  # elements of its matrices as the forward multiplies by them (experts: E / ep)
-
-
-def _units(model: nn.Module, mesh: MeshShape) -> list[Unit]:
-    """The blocks in order, then the MTP depths, then the root (everything neither holds)."""
-    from ciuic_train.distributed.expert_parallel import expert_parameters
-
-    experts = {id(p) for p in expert_parameters(model)}
-    in_blocks: set[int] = set()
-    groups = []
-    for block in [*model.layers, *model.mtp]:
-        params = list(_unique(block.parameters()))
-        in_blocks.update(id(p) for p in params)
-        groups.append(params)
-    groups.append([p for p in _unique(model.parameters()) if id(p) not in in_blocks])
-    return [_unit(params, experts, mesh) for params in groups]
-
-
-def _unique(params):
-    seen = set()
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield p
-
-
-def _unit(params, experts, mesh: MeshShape) -> Unit:
-    sharded = mesh.strategy in ("fsdp", "hsdp")
-    stored = {"experts": 0, "other": 0}
-    tensors = {"experts": 0, "other": 0}
-    gathered = 0
-    sent = {"experts": 0, "other": 0}
-    matmul_weights = 0
-    for p in params:
-        is_expert = id(p) in experts
-        kind = "experts" if is_expert else "other"
-        d0, rest = (p.shape[0], math.prod(p.shape[1:])) if p.ndim else (1, 1)
-        if is_expert:
-            d0 //= mesh.ep  # expert parallelism: E / ep experts per rank
-        group = (mesh.efsdp if is_expert else mesh.dp_shard) if sharded else 1
-        shard = _stored_elements(d0, rest, group)
-        stored[kind] += shard
-        tensors[kind] += 1
-        if p.ndim >= 2:
-            matmul_weights += d0 * rest
-        if sharded:
-            gathered += group * shard
-            sent[kind] += (group - 1) * shard
-    return Unit(stored, tensors, gathered, sent, sum(stored.values()), matmul_weights)
-
-
-def _stored_elements(d0: int, rest: int, group: int) -> int:
-    """Rank 0's chunk of a [d0, ...] tensor cut on dim 0 into `group` chunks (FSDP2 pads
-    every rank to this size): ceil(d0 / group) rows of `rest` elements."""
-    return -(-d0 // group) * rest
 
 
 # --- Communication ------------------------------------------------------------------------
@@ -280,10 +180,12 @@ def _communication(config: Config, model: nn.Module, mesh: MeshShape, widths: Wi
     m, t = config.model, config.train
     micro = t.grad_accum
     N = t.batch_size * t.seq_len
-    W, R = mesh.world_size, mesh.dp_replicate
-    n_moe = m.n_layers - m.n_dense_layers
+    # The ranks that reduce together: a pipeline stage's (its MoE counts, its FSDP groups).
+    W, R = mesh.data_parallel_size, mesh.dp_replicate
+    n_moe = len(model.moe_layers(mtp=False))  # this rank's: a pipeline stage holds some
     # Tokens each MoE layer routes per micro-batch: N in the main model, B (T - k) in MTP depth k.
-    moe_tokens = [N] * n_moe + ([t.batch_size * (t.seq_len - k) for k in range(1, m.n_mtp_layers + 1)] if n_moe else [])
+    moe_tokens = [N] * n_moe + ([t.batch_size * (t.seq_len - k) for k in range(1, len(model.mtp) + 1)]
+                                if m.n_layers > m.n_dense_layers else [])
     sharded = mesh.strategy in ("fsdp", "hsdp")
     blocks, root = units[:-1], units[-1]
 

@@ -153,6 +153,7 @@ def activation_bytes(config: Config, widths: Widths, block_weights: list[int] | 
         "dense_block": blocks[0] if m.n_dense_layers else 0,
         "moe_block": blocks[m.n_layers - 1] if n_moe else 0,
         "top": top,
+        "blocks": blocks,  # each main layer's, then each MTP depth's block
     }
 
 

@@ -13,7 +13,8 @@ from ciuic_train.config import Config
 from ciuic_train.files import format_bytes
 from ciuic_train.tools.memory_check import check_memory, run_device
 from ciuic_train.tools.memory_limits import usable_bytes_per_rank
-from ciuic_train.tools.plan import GPUS, build_meta_model, plan_figures, resolve_plan_mesh
+from ciuic_train.tools.plan import plan_figures, resolve_plan_mesh
+from ciuic_train.tools.plan_memory import GPUS, build_meta_model
 
 
 def print_plan(config: Config, simulate: bool = False) -> None:
@@ -61,6 +62,8 @@ def print_plan(config: Config, simulate: bool = False) -> None:
     console.print(table)
     figures = plan_figures(config, model)
     console.print(_memory_table(config, figures))
+    if "pipeline" in figures:
+        console.print(_pipeline_table(config, figures))
     console.print(_comm_table(figures))
     if simulate:
         console.print(simulation_table(config, figures, simulate_rank(config)))
@@ -75,10 +78,12 @@ def _memory_table(config: Config, f: dict[str, Any]) -> Any:
 
     mem, mesh, w = f["memory"], f["mesh"], f["widths"]
     gathered = {2: "bf16", 4: "fp32"}[w["gather"]]
+    pipeline = (f"pp={mesh['pp']} x " if "pipeline" in f else "")
+    busiest = (f"; pipeline rank {f['pipeline']['busiest']}, the one that needs the most" if "pipeline" in f else "")
     table = Table(
         title=f"per rank: {f['world_size']} ranks ({config.dist.nnodes} x {config.dist.nproc_per_node}), "
-        f"{mesh['strategy']} dp_replicate={mesh['dp_replicate']} x dp_shard={mesh['dp_shard']}, "
-        f"ep={mesh['ep']}, efsdp={mesh['efsdp']}",
+        f"{pipeline}{mesh['strategy']} dp_replicate={mesh['dp_replicate']} x dp_shard={mesh['dp_shard']}, "
+        f"ep={mesh['ep']}, efsdp={mesh['efsdp']}{busiest}",
     )
     table.add_column("memory", style="bold")
     table.add_column("per rank", justify="right")
@@ -113,11 +118,37 @@ def _memory_table(config: Config, f: dict[str, Any]) -> Any:
     return table
 
 
+def _pipeline_table(config: Config, f: dict[str, Any]) -> Any:
+    """One row per pipeline rank (every data share of a stage holds the same)."""
+    from rich.table import Table
+
+    p, key = f["pipeline"], "ac" if config.activation_checkpointing else "no_ac"
+    table = Table(title=f"per pipeline rank: {p['schedule']}, {p['stages']} stages of {p['layers_per_stage']} layers, "
+                        f"{p['microbatches']} micro-batches of {p['micro_batch_size']}; bubble {p['bubble']:.1%} "
+                        "(F = I = W, B = 2; the schedule's own order)")
+    for column in ("pp rank", "stages", "state", "activations", "total", "80 GB", "P2P sent"):
+        table.add_column(column, justify="right")
+    for rank in p["ranks"]:
+        memory = rank["memory"]
+        table.add_row(
+            str(rank["rank"]), ", ".join(f"{s} ({n} layers)" for s, n in zip(rank["stages"], rank["layers"])),
+            format_bytes(memory["state"]),
+            f"{format_bytes(memory['activations'][key])} ({rank['in_flight']} in flight)",
+            format_bytes(memory["total"][key]), "fits" if rank["fits"]["80 GB"][key] else "does not fit",
+            format_bytes(rank["p2p_bytes"]),
+        )
+    return table
+
+
 def _comm_table(f: dict[str, Any]) -> Any:
     from rich.table import Table
 
     comm = f["comm"]
-    table = Table(title="communication per optimizer step: bytes each rank sends")
+    title = "communication per optimizer step: bytes each rank sends"
+    if "pipeline" in f:
+        title += (f" (pipeline rank {f['pipeline']['busiest']}; within its stage, each FSDP gather counted once a "
+                  "step, as the multi-stage schedules unshard; gpipe and 1f1b may gather again per micro-batch)")
+    table = Table(title=title)
     table.add_column("collective", style="bold")
     table.add_column("per rank", justify="right")
     table.add_column("what")

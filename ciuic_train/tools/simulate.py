@@ -143,8 +143,14 @@ def simulation_table(config: Config, figures: dict, measured: Measured):
 
 def simulable_mesh(config: Config) -> MeshShape:
     """The mesh `config` plans, if a simulation can step it: raises UserError for a mesh
-    `resolve_mesh` refuses, and for DDP, whose reducer (C++) reads its tensors' data."""
+    `resolve_mesh` refuses, for a pipeline (its stages are not simulated), and for DDP,
+    whose reducer (C++) reads its tensors' data."""
     shape = resolve_plan_mesh(config)
+    if shape.pp > 1:
+        raise UserError(
+            f"--simulate steps a rank of the whole model, not a pipeline stage (dist.pp={shape.pp}): --plan alone "
+            "gives each pipeline rank's figures"
+        )
     if shape.strategy == "ddp":
         raise UserError(
             f"--simulate steps FSDP2 and one-process layouts, not DDP ({shape.describe()}), whose reducer "
