@@ -56,6 +56,13 @@ Two questions, one run:
     python scripts/bench_dist.py --ep [--model bench] [--batch-size 8] [--ep-steps 20]
                                  [--ep-memory-steps 3] [--json OUT]
 
+5. Pipeline parallelism (`--pp`): `dist.pp=2` under each schedule against DDP and FSDP at
+   the same global batch, and the measured bubble; with `--netns`, a stage per emulated
+   host at several link rates. scripts/bench_pipeline.py does it (its docstring); this
+   file hands `--pp` and the other flags over to it.
+
+    python scripts/bench_dist.py --pp [--model small] [--batch-size 8] [--pp-steps 12] [--json OUT]
+
 4. Across two emulated hosts (`--netns`, root). The workers of 2 run on the two hosts of
    scripts/cluster/netns_cluster.sh, one process each (cores / 2 threads, as in 2), started
    by the driver as `netns_cluster.sh exec N torchrun --nnodes=2 --rdzv-endpoint=host0:PORT`;
@@ -1421,6 +1428,9 @@ def show(results: dict, single: str, multi: str, single_big: str) -> None:
 
 
 if __name__ == "__main__":
+    if "--pp" in sys.argv:  # pipeline parallelism: scripts/bench_pipeline.py, its own flags
+        pipeline = Path(__file__).with_name("bench_pipeline.py")
+        os.execv(sys.executable, [sys.executable, str(pipeline), *(a for a in sys.argv[1:] if a != "--pp")])
     cli_args = parse_args()
     if cli_args.worker:
         worker(cli_args)
