@@ -49,7 +49,6 @@ def test_stages_sit_on_ranks_in_a_loop_or_in_a_v():
     (["dist.pp_stages_per_rank=2"], r"dist.pp_schedule=1f1b runs one stage per rank"),
     (["dist.pp_schedule=dualpipev", "dist.pp_stages_per_rank=2", "dist.pp_microbatches=2"],
      r"needs at least 4 micro-batches"),
-    (["dist.pp_schedule=zbv", "dist.pp_stages_per_rank=2", "model.n_mtp_layers=1"], r"use 1f1b or interleaved_1f1b with MTP"),
     (["+trick=async_smoothed_loss"], r"replaces the transform_loss seam"),
 ])
 def test_a_pipeline_that_cannot_run_is_refused_in_one_line(overrides, message):
@@ -74,11 +73,11 @@ def test_a_stage_mesh_that_does_not_multiply_out_names_the_stage_size():
         resolve_mesh(DistConfig(pp=2, dp_replicate=1, dp_shard=4), 4, 4, n_routed_experts=4)
 
 
-def test_a_tied_head_in_a_v_with_sharded_stages_is_refused():
-    config = compose_config(*TINY, "dist.pp=2", "dist.pp_schedule=zbv", "dist.pp_stages_per_rank=2",
-                            "model.tie_embeddings=true")
-    check_pipeline_mesh(config, MeshShape(pp=2))  # one rank per stage: the V shares the weight on one rank
-    with pytest.raises(UserError, match=r"model.tie_embeddings=true with dist.pp_schedule=zbv and data parallelism"):
+@pytest.mark.parametrize("user", ["model.tie_embeddings=true", "model.n_mtp_layers=1"])
+def test_a_v_whose_ends_share_the_embedding_is_refused_with_sharded_stages(user):
+    config = compose_config(*TINY, "dist.pp=2", "dist.pp_schedule=zbv", "dist.pp_stages_per_rank=2", user)
+    check_pipeline_mesh(config, MeshShape(pp=2))  # one rank per stage: both ends hold it on rank 0
+    with pytest.raises(UserError, match=rf"^{user} with dist.pp_schedule=zbv and data parallelism in the stages"):
         check_pipeline_mesh(config, MeshShape(1, 2, 1, 2))
 
 
@@ -145,10 +144,14 @@ def test_a_1f1b_pipeline_with_mtp_trains_as_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, extra", [("interleaved_1f1b", ["model.n_mtp_layers=1"]), ("zbv", [])])
-def test_two_stages_per_rank_train_as_one_process(tmp_path, schedule, extra):
-    pipeline = run_pipeline(tmp_path, "pp", f"dist.pp_schedule={schedule}", "dist.pp_stages_per_rank=2", *extra)
-    assert_same_training(pipeline, run_one_process(tmp_path, "one", 4, *extra))
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv", "dualpipev"])
+def test_two_stages_per_rank_with_mtp_train_as_one_process(tmp_path, schedule):
+    """In the V (zbv, dualpipev) the MTP depths sit on rank 0 with the embedding they look up,
+    as DeepSeek placed them: both of rank 0's stages hold it, each for its own gradient."""
+    mtp = ["model.n_mtp_layers=1"]
+    pipeline = run_pipeline(tmp_path, "pp", f"dist.pp_schedule={schedule}", "dist.pp_stages_per_rank=2", *mtp)
+    assert_same_training(pipeline, run_one_process(tmp_path, "one", 4, *mtp))
+    assert metrics(pipeline)[-1]["mtp_loss"] == pytest.approx(metrics(tmp_path / "one")[-1]["mtp_loss"], abs=1e-4)
 
 
 @pytest.mark.slow

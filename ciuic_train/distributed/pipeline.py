@@ -92,9 +92,11 @@ class StageModule(nn.Module):
 
     def __init__(self, model: Transformer, index: int, count: int, layers: list[int], mtp_loss_weight: float,
                  embedding_here: bool, autocast: Any):
-        """`embedding_here`: this stage registers the embedding (the first stage; the last too
-        where MTP or a tied head needs it and the first stage is on another rank, so each
-        module has one stage that FSDP2 gathers it in)."""
+        """`embedding_here`: this stage registers the embedding: the first stage, and the last
+        where MTP or a tied head needs it. A stage's backward (the weight half, where it is
+        split) reaches only the parameters its module holds: in a V, where both stages are
+        on rank 0, each must hold the embedding for its own share of the gradient (a
+        sharing FSDP2 cannot do: `check_pipeline_mesh`)."""
         super().__init__()
         self.index, self.is_first, self.is_last = index, index == 0, index == count - 1
         self.blocks = nn.ModuleList(model.layers[i] for i in layers)
@@ -197,7 +199,7 @@ class Pipeline:
         self.embedding_holders = self._embedding_holders(count)
         self.stages = [
             StageModule(model, i, count, self.split[i], config.train.mtp_loss_weight,
-                        embedding_here=i == 0 or (i == count - 1 and not self.holds_first and model.tok_embeddings is not None),
+                        embedding_here=i == 0 or (i == count - 1 and model.tok_embeddings is not None),
                         autocast=autocast or nullcontext())
             for i in self.stage_ids
         ]

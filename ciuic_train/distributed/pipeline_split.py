@@ -92,12 +92,6 @@ def check_pipeline(config: Config) -> None:
             f"train.batch_size={config.train.batch_size} does not divide into dist.pp_microbatches={micro} "
             "equal micro-batches"
         )
-    if config.model.n_mtp_layers and schedule in V_SHAPED:
-        raise UserError(
-            f"dist.pp_schedule={schedule} with model.n_mtp_layers={config.model.n_mtp_layers}: torch 2.13's split "
-            "backward loses the gradient of what the MTP depths take from the tokens (the embedding they look "
-            "up); use 1f1b or interleaved_1f1b with MTP"
-        )
     if config.compile and schedule in V_SHAPED:
         raise UserError(f"dist.pp_schedule={schedule} splits backward in two, which torch.compile does not support; "
                         "set compile=false or use 1f1b or interleaved_1f1b")
@@ -118,16 +112,19 @@ def check_pipeline_mesh(config: Config, shape: Any) -> None:
     """Refuse what a pipeline cannot run on its resolved mesh (`shape`, a MeshShape): the
     CLI calls it before anything starts, the pipeline again when it is built.
 
-    With data parallelism in the stages, FSDP2 gathers each module in one stage only; a
-    tied head on the V's last stage would share its weight with the first stage on the
-    same rank.
+    In a V the first and last stages share rank 0, and the last one uses the embedding too
+    where MTP depths look tokens up or the head is tied: both stages hold it. FSDP2 takes
+    each stage as a root and gathers a module in one root only, so with data parallelism
+    in the stages that sharing is refused.
     """
-    if config.dist.pp > 1 and shape.data_parallel_size > 1 and config.model.tie_embeddings \
-            and config.dist.pp_schedule.value in V_SHAPED:
+    cfg, model = config.dist, config.model
+    users = [f"model.n_mtp_layers={model.n_mtp_layers}"] * bool(model.n_mtp_layers) + \
+        ["model.tie_embeddings=true"] * bool(model.tie_embeddings)
+    if cfg.pp > 1 and shape.data_parallel_size > 1 and users and cfg.pp_schedule.value in V_SHAPED:
         raise UserError(
-            f"model.tie_embeddings=true with dist.pp_schedule={config.dist.pp_schedule.value} and data parallelism in "
-            f"the stages ({shape.describe()}): the V's first and last stages on one rank would both gather the shared "
-            "weight; use 1f1b or interleaved_1f1b, or untie"
+            f"{' and '.join(users)} with dist.pp_schedule={cfg.pp_schedule.value} and data parallelism in the "
+            f"stages ({shape.describe()}): the V's first and last stages on rank 0 both use the embedding, which "
+            "FSDP2 gathers in one stage only; use 1f1b or interleaved_1f1b, or one rank per stage"
         )
 
 
