@@ -240,3 +240,17 @@ def test_a_killed_stage_restarts_and_ends_bit_identical(tmp_path):
     assert summary["resumed_from"].endswith("step_000010")
     assert summary["param_checksum"] == json.loads((whole / "summary.json").read_text())["param_checksum"]
     assert [m["step"] for m in metrics(killed)] == list(range(1, 21))
+
+
+@pytest.mark.slow
+def test_bf16_and_activation_checkpointing_run_in_the_stages(tmp_path):
+    """precision=bf16 with activation checkpointing: the stages run under autocast (the first
+    steps equal one process's bf16 steps, and differ from fp32's), and bf16's rounding then
+    keeps the curves within its noise."""
+    both = ["precision=bf16", "activation_checkpointing=true"]
+    pipeline = metrics(run_pipeline(tmp_path, "pp", *both))
+    alone = metrics(run_one_process(tmp_path, "one", 2, *both))
+    fp32 = metrics(run_one_process(tmp_path, "fp32", 2))
+    assert [m["loss"] for m in pipeline[:2]] == pytest.approx([m["loss"] for m in alone[:2]], abs=1e-6)
+    assert abs(pipeline[0]["loss"] - fp32[0]["loss"]) > 1e-5  # autocast acted
+    assert [m["loss"] for m in pipeline] == pytest.approx([m["loss"] for m in alone], abs=3e-3)
