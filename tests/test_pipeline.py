@@ -254,3 +254,32 @@ def test_bf16_and_activation_checkpointing_run_in_the_stages(tmp_path):
     assert [m["loss"] for m in pipeline[:2]] == pytest.approx([m["loss"] for m in alone[:2]], abs=1e-6)
     assert abs(pipeline[0]["loss"] - fp32[0]["loss"]) > 1e-5  # autocast acted
     assert [m["loss"] for m in pipeline] == pytest.approx([m["loss"] for m in alone], abs=3e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trick", ["chaotic_sampler", "constellation_init", "quantum_save", "warm_restart"])
+def test_a_trick_a_pipeline_can_honour_trains_as_in_one_process(tmp_path, trick):
+    """The tricks whose seams a pipeline keeps (the data order, the init, saving, the lr)
+    give the pipeline the one-process curve; those replacing transform_loss or comm_hook
+    are refused before anything starts (above)."""
+    pipeline = run_pipeline(tmp_path, "pp", f"+trick={trick}", "ckpt.every=5")
+    alone = run_one_process(tmp_path, "one", 2, f"+trick={trick}", "ckpt.every=5")
+    assert [m["loss"] for m in metrics(pipeline)] == pytest.approx([m["loss"] for m in metrics(alone)], abs=1e-4)
+    saved = lambda run: sorted(p.name for p in (run / "checkpoints").glob("step_*"))  # noqa: E731
+    assert saved(pipeline) == saved(alone)
+
+
+@pytest.mark.slow
+def test_time_folded_accumulation_weighs_a_pipelines_accumulated_steps(tmp_path):
+    """time_folded_accum weighs the step's train.grad_accum micro-steps; under a pipeline each
+    is a whole schedule run over the pipeline's micro-batches, so the one-process twin
+    weighs the same windows in the same proportions: 8 windows per micro-step (in 2
+    micro-batches of 4 in the pipeline; a sequence-wise balance loss, which does not see the
+    grouping)."""
+    layout = [*SEQUENCE_BALANCE, "+trick=time_folded_accum", "train.grad_accum=2"]
+    pipeline = run_pipeline(tmp_path, "pp", *layout)
+    alone = run_cli(*TINY, "train.max_steps=20", "train.log_every=1", "train.batch_size=8", *layout,
+                    f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    piped, single = metrics(pipeline), metrics(tmp_path / "one")
+    assert [m["loss"] for m in piped] == pytest.approx([m["loss"] for m in single], abs=1e-4)
