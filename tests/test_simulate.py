@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ciuic_train.errors import UserError
 from ciuic_train.tools.plan import plan_figures
-from ciuic_train.tools.simulate import simulate, simulated_rows
+from ciuic_train.tools.simulate import simulate, simulated_rank_figures, simulated_rows
 from conftest import peak_resident_growth, run_cli, torchrun
 from test_plan import compose_config
 
@@ -102,12 +102,42 @@ def test_ddp_is_refused_in_one_line():
         simulate(compose_config("model=tiny", "dist.nproc_per_node=2"))
 
 
-def test_a_pipeline_is_refused_in_one_line(tmp_path: Path):
-    result = run_cli("model=tiny", "model.n_layers=4", "dist.pp=2", "dist.nproc_per_node=2", "--plan", "--simulate",
-                     cwd=tmp_path)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["dist.nproc_per_node=2"],  # 1f1b, one rank per stage
+        # 1f1b over stages of 2 ranks, FSDP2 in each with the experts split: an MTP depth's embedding copy
+        ["dist.nproc_per_node=4", "dist.dp_shard=2", "dist.ep=2", "model.n_mtp_layers=1"],
+        # zbv: rank 0 holds the V's two ends, the embedding and the head with the MTP depth
+        ["dist.nproc_per_node=2", "dist.pp_schedule=zbv", "dist.pp_stages_per_rank=2", "model.n_mtp_layers=1"],
+    ],
+    ids=["1f1b", "1f1b_fsdp2_ep2_mtp", "zbv_mtp"],
+)
+def test_a_pipeline_rank_is_simulated_beside_its_plan(one_thread, overrides):
+    """Pipeline rank 0's stages, run in the schedule's order on fake tensors, hold the plan's
+    bytes for that rank, and activations under the plan's bound (held to the weight half
+    of a split backward, where the simulation frees them at its first)."""
+    config = compose_config("model=tiny", "model.n_layers=4", "train.seq_len=64", "train.batch_size=8",
+                            "dist.pp=2", "device=cpu", *overrides)
+    measured = simulate(config)
+    rank_0 = simulated_rank_figures(plan_figures(config))
+    rows = {label: (largest, planned) for label, _, largest, planned in simulated_rows(config, rank_0, measured)}
+    for label in ("parameters", "gradients", "AdamW state"):
+        assert rows[label][0] == rows[label][1], label
+    activations, planned = rows["activations"]
+    assert 0.6 * planned < activations <= planned  # measured: 0.81 (1f1b), 0.91 (zbv) of the plan
+    assert 0 < measured.peak <= 1.15 * rank_0["memory"]["total"]["no_ac"]
+    assert not dist.is_initialized()
+
+
+def test_a_pipeline_rank_of_several_fsdp2_roots_is_refused_in_one_line(tmp_path: Path):
+    result = run_cli("model=tiny", "model.n_layers=4", "dist.pp=2", "dist.nproc_per_node=4", "dist.pp_schedule=zbv",
+                     "dist.pp_stages_per_rank=2", "--plan", "--simulate", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("ciuic-train: error: --simulate steps a rank of the whole model, not a pipeline "
-                                     "stage (dist.pp=2): --plan alone gives each pipeline rank's figures")
+    assert result.stderr.strip() == (
+        "ciuic-train: error: --simulate follows one FSDP2 root per rank, and dist.pp_stages_per_rank=2 with data "
+        "parallelism in the stages (pp=2 x dp_replicate=2 x dp_shard=1, ep=1) gives a rank more; simulate gpipe or "
+        "1f1b, or --plan alone")
 
 
 def test_cli_plan_simulate_prints_the_simulation_beside_the_plan(tmp_path: Path):

@@ -164,6 +164,23 @@ def keep_stage_parts(model: Transformer, stage_ids: list[int], split: list[list[
         model.mtp = nn.ModuleList()
 
 
+def residual_dtype(config: Config, shape: Any) -> torch.dtype:
+    """The residual stream's dtype, what stages send each other: fp32 (under autocast too),
+    bf16 where FSDP2 gathers the embedding in bf16 (precision=bf16 with data parallelism
+    in the stages; `shape` is the mesh's MeshShape)."""
+    return torch.bfloat16 if config.precision is Precision.bf16 and shape.strategy != "none" else torch.float32
+
+
+def stage_modules(model: Transformer, stage_ids: list[int], split: list[list[int]], config: Config,
+                  autocast: Any = None) -> list[StageModule]:
+    """The `StageModule`s of `stage_ids` over `model` (pruned by `keep_stage_parts`)."""
+    count = len(split)
+    return [StageModule(model, i, count, split[i], config.train.mtp_loss_weight,
+                        embedding_here=i == 0 or (i == count - 1 and model.tok_embeddings is not None),
+                        autocast=autocast or nullcontext())
+            for i in stage_ids]
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs them (see the module docstring)."""
 
@@ -197,21 +214,12 @@ class Pipeline:
                            if on and model.moe_layers()] + (["mtp_loss"] if mcfg.n_mtp_layers else [])
         keep_stage_parts(model, self.stage_ids, self.split)
         self.embedding_holders = self._embedding_holders(count)
-        self.stages = [
-            StageModule(model, i, count, self.split[i], config.train.mtp_loss_weight,
-                        embedding_here=i == 0 or (i == count - 1 and model.tok_embeddings is not None),
-                        autocast=autocast or nullcontext())
-            for i in self.stage_ids
-        ]
+        self.stages = stage_modules(model, self.stage_ids, self.split, config, autocast)
         micro, seq, dim = self.micro_batch_size, config.train.seq_len, model.config.dim
         # What passes between stages, for torch's static stage metadata: an activation that
-        # takes a gradient back, in the residual stream's dtype: fp32 (under autocast too),
-        # bf16 where FSDP2 gathers the embedding in bf16 (precision=bf16 with data
-        # parallelism in the stages).
-        bf16_stream = config.precision is Precision.bf16 and shape.strategy != "none"
-        hidden = torch.empty(micro, seq, dim, device="meta", requires_grad=True,
-                             dtype=torch.bfloat16 if bf16_stream else torch.float32)
-        self.hidden_dtype = hidden.dtype
+        # takes a gradient back.
+        self.hidden_dtype = residual_dtype(config, shape)
+        hidden = torch.empty(micro, seq, dim, device="meta", requires_grad=True, dtype=self.hidden_dtype)
         tokens = torch.empty(micro, seq, dtype=torch.long, device="meta")
         self.torch_stages = [
             PipelineStage(

@@ -28,7 +28,9 @@ def print_plan(config: Config, simulate: bool = False) -> None:
 
     mesh = resolve_plan_mesh(config)  # a bad mesh is a one-line error before torch loads
     if simulate:
-        from ciuic_train.tools.simulate import simulable_mesh, simulate as simulate_rank, simulation_table
+        from ciuic_train.tools.simulate import (
+            simulable_mesh, simulate as simulate_rank, simulated_rank_figures, simulation_table,
+        )
 
         simulable_mesh(config)  # refused before anything prints
     model = build_meta_model(config)
@@ -66,7 +68,7 @@ def print_plan(config: Config, simulate: bool = False) -> None:
         console.print(_pipeline_table(config, figures))
     console.print(_comm_table(figures))
     if simulate:
-        console.print(simulation_table(config, figures, simulate_rank(config)))
+        console.print(simulation_table(config, simulated_rank_figures(figures), simulate_rank(config)))
     if run_device(config) == "cpu":  # a GPU layout is for the GPUs' columns above, not this machine
         room = usable_bytes_per_rank("cpu", config.dist.nproc_per_node)
         if room is not None:

@@ -6,7 +6,9 @@ process, rank 0 joins a fake process group of the planned world size
 moves nothing), builds the model as the trainer does (on meta, then `parallelize`) under
 `FakeTensorMode`, whose tensors have shapes and dtypes but no storage, and runs one
 training step, its memory counted by category (`simulate_step.py`). DeepSeek-V3's rank
-of 2048 takes minutes on two CPU cores and well under a GiB of real memory.
+of 2048 takes minutes on two CPU cores and well under a GiB of real memory. For a
+pipeline, the rank is pipeline rank 0, its stages run in the schedule's order
+(`simulate_pipeline.py`).
 
 Fake tensors hold no values, so what depends on values is assumed (`prepare_rank`):
 
@@ -75,10 +77,19 @@ def simulate(config: Config) -> Measured:
         # instead of an error; nothing of the step branches on those values.
         fake = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         with _meshes_find_their_ranks(), _dtensor_shapes_apart():
-            model, wrapped = build_rank(config, mesh, fake=_fake_tensors(fake))
-            with _fake_tensors(fake):
-                uniform = prepare_rank(model, cuda)
-                measured = measure_step(config, model, wrapped, mesh.strategy)
+            if shape.pp > 1:  # pipeline rank 0's stages (simulate_pipeline.py)
+                from ciuic_train.tools.plan_pipeline import schedule_order
+                from ciuic_train.tools.simulate_pipeline import build_pipeline_rank, measure_pipeline_step
+
+                model, stages = build_pipeline_rank(config, mesh, 0, fake=_fake_tensors(fake))
+                with _fake_tensors(fake):
+                    uniform = prepare_rank(model, cuda)
+                    measured = measure_pipeline_step(config, model, stages, schedule_order(config.dist)[0], shape)
+            else:
+                model, wrapped = build_rank(config, mesh, fake=_fake_tensors(fake))
+                with _fake_tensors(fake):
+                    uniform = prepare_rank(model, cuda)
+                    measured = measure_step(config, model, wrapped, mesh.strategy)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -99,6 +110,14 @@ SIMULATED_ROWS = (
     ("temporaries (backward)", ("temporaries",), None),
     ("buffers, the batch", ("other",), None),
 )
+
+
+def simulated_rank_figures(figures: dict) -> dict:
+    """`plan_figures`' figures for the rank a simulation steps: rank 0, whose memory a
+    pipeline's figures give per pipeline rank."""
+    if "pipeline" not in figures:
+        return figures
+    return {**figures, "memory": figures["pipeline"]["ranks"][0]["memory"]}
 
 
 def simulated_rows(config: Config, figures: dict, measured: Measured) -> list[tuple[str, int, int, int | None]]:
@@ -143,14 +162,14 @@ def simulation_table(config: Config, figures: dict, measured: Measured):
 
 def simulable_mesh(config: Config) -> MeshShape:
     """The mesh `config` plans, if a simulation can step it: raises UserError for a mesh
-    `resolve_mesh` refuses, for a pipeline (its stages are not simulated), and for DDP,
-    whose reducer (C++) reads its tensors' data."""
+    `resolve_mesh` refuses, for DDP, whose reducer (C++) reads its tensors' data, and for a
+    pipeline whose rank would hold several FSDP2 roots (`simulate_pipeline.check_simulable`)."""
     shape = resolve_plan_mesh(config)
     if shape.pp > 1:
-        raise UserError(
-            f"--simulate steps a rank of the whole model, not a pipeline stage (dist.pp={shape.pp}): --plan alone "
-            "gives each pipeline rank's figures"
-        )
+        from ciuic_train.tools.simulate_pipeline import check_simulable
+
+        check_simulable(config, shape)
+        return shape  # a stage's replicas are FSDP2's, not DDP's
     if shape.strategy == "ddp":
         raise UserError(
             f"--simulate steps FSDP2 and one-process layouts, not DDP ({shape.describe()}), whose reducer "
@@ -174,13 +193,18 @@ def _meshes_find_their_ranks() -> Iterator[None]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
-    find = DeviceMesh._compute_coordinate_on_dim
+    find, ranks = DeviceMesh._compute_coordinate_on_dim, DeviceMesh.mesh.fget
 
     def outside_fake_mode(mesh: DeviceMesh):
         with unset_fake_temporarily():
             return find(mesh)
 
-    with mock.patch.object(DeviceMesh, "_compute_coordinate_on_dim", outside_fake_mode):
+    def ranks_outside_fake_mode(mesh: DeviceMesh):  # a pipeline's (pp, ...) mesh cut by FSDP2
+        with unset_fake_temporarily():
+            return ranks(mesh)
+
+    with mock.patch.object(DeviceMesh, "_compute_coordinate_on_dim", outside_fake_mode), \
+            mock.patch.object(DeviceMesh, "mesh", property(ranks_outside_fake_mode)):
         yield
 
 

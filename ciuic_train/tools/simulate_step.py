@@ -6,7 +6,7 @@ same code, so the two can be compared byte for byte. It is `Trainer.train_step` 
 what only logs or agrees across ranks: forward and backward over `train.grad_accum`
 micro-batches under the run's autocast (gradients synchronised on the last), the
 clipping across meshes, the AdamW step, the balancing step. AdamW's moments are
-allocated before it (`_allocate_state`), as in every step after the first, so the peak
+allocated before it (`allocate_state`), as in every step after the first, so the peak
 is the steady state's, which is what `--plan` estimates.
 
 torch's trackers (`torch.distributed._tools`) count the bytes of every storage an
@@ -71,9 +71,9 @@ def measure_step(config: Config, model: nn.Module, wrapped: nn.Module, strategy:
 
     t, device = config.train, next(model.parameters()).device
     optimizer = build_optimizer(model, config.optim, t.lr)
-    _allocate_state(optimizer)
+    allocate_state(optimizer)
     sharded = strategy in ("fsdp", "hsdp")
-    tracker = _tracker_class()(model, optimizer) if sharded else MemTracker()
+    tracker = tracker_class()(model, optimizer) if sharded else MemTracker()
     if not sharded:
         tracker.track_external(model, optimizer)
     bf16 = config.precision is Precision.bf16
@@ -98,17 +98,21 @@ def measure_step(config: Config, model: nn.Module, wrapped: nn.Module, strategy:
         model.balance_experts()
         snapshots.append(tracker.get_tracker_snapshot())
         optimizer.zero_grad(set_to_none=True)
+    return measured_from(tracker, snapshots)
+
+
+def measured_from(tracker: Any, snapshots: list[dict]) -> Measured:
+    """What `tracker` saw: its peak, and the most of each category over `snapshots` and the peak."""
     peak = tracker.get_tracker_snapshot("peak")
-    snapshots.append(peak)
-    largest = dict.fromkeys(_by_category(peak), 0)
-    for snapshot in snapshots:
-        for name, value in _by_category(snapshot).items():
+    largest = dict.fromkeys(by_category(peak), 0)
+    for snapshot in [*snapshots, peak]:
+        for name, value in by_category(snapshot).items():
             largest[name] = max(largest[name], value)
-    at_peak = _by_category(peak)
+    at_peak = by_category(peak)
     return Measured(at_peak, largest, sum(at_peak.values()))
 
 
-def _allocate_state(optimizer: torch.optim.Optimizer) -> None:
+def allocate_state(optimizer: torch.optim.Optimizer) -> None:
     """AdamW's state as after a first step: one step over zero gradients at lr 0, which
     allocates it and moves no weight."""
     lrs = [group["lr"] for group in optimizer.param_groups]
@@ -122,7 +126,7 @@ def _allocate_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def _by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+def by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     """A tracker snapshot ({device: {reference type: bytes, "Total": bytes}}) by category."""
     out = dict.fromkeys(CATEGORIES.values(), 0)
     for per_device in snapshot.values():
@@ -133,7 +137,7 @@ def _by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return out
 
 
-def _tracker_class() -> type:
+def tracker_class() -> type:
     """`FSDPMemTracker` for FSDP2 units with several parameter groups.
 
     Under expert parallelism a block's experts are sharded on a mesh of their own, and
