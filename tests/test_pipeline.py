@@ -178,20 +178,23 @@ SEQUENCE_BALANCE = ["model.aux_loss_alpha=0", "model.seq_aux_loss_alpha=0.01"]
 
 
 @pytest.mark.slow
-def test_a_pipeline_of_sharded_expert_parallel_stages_trains_as_one_process(tmp_path):
-    """pp=2 x (dp_shard=2, ep=2) on 4 ranks, 1f1b with MTP: FSDP2 in each stage, the experts
-    split over each stage's two ranks, the MTP's embedding copy sharded too."""
-    layout = [*SEQUENCE_BALANCE, "model.n_mtp_layers=1"]
-    pipeline = run_pipeline(tmp_path, "pp_fsdp_ep", *layout, "dist.dp_shard=2", "dist.ep=2",
-                            "sample.max_new_tokens=8", ranks=4)
+@pytest.mark.parametrize("layout, mesh", [
+    (["dist.dp_shard=2", "dist.ep=2"], {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "ep": 2}),
+    (["dist.dp_replicate=2"], {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "ep": 1}),
+], ids=["fsdp2_ep2", "replicas"])
+def test_a_pipeline_of_data_parallel_stages_trains_as_one_process(tmp_path, layout, mesh):
+    """pp=2 on 4 ranks, 1f1b with MTP, each stage's two ranks splitting the data: FSDP2 with
+    the experts split over them (the MTP's embedding copy sharded too), or replicas (FSDP2's
+    HSDP with one shard)."""
+    model = [*SEQUENCE_BALANCE, "model.n_mtp_layers=1"]
+    pipeline = run_pipeline(tmp_path, "pp_dp", *model, *layout, "sample.max_new_tokens=8", ranks=4)
     summary = json.loads((pipeline / "summary.json").read_text())
-    assert summary["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "ep": 2} and summary["world_size"] == 4
+    assert summary["mesh"] == mesh and summary["world_size"] == 4
     # --plan's figure for pipeline rank 0 is what rank 0 stores.
-    planned = plan_figures(compose_config(*TINY, *layout, "dist.pp=2", "dist.dp_shard=2", "dist.ep=2",
-                                          "dist.nproc_per_node=4"))
+    planned = plan_figures(compose_config(*TINY, *model, "dist.pp=2", *layout, "dist.nproc_per_node=4"))
     assert planned["pipeline"]["ranks"][0]["memory"]["params"] == summary["param_bytes_per_rank"]
-    assert_same_training(pipeline, run_one_process(tmp_path, "one", 2, *layout, data_shares=2), "seq_aux_loss")
-    assert (pipeline / "train.log").read_text().count("sample: ") == 1  # gathered from the shards
+    assert_same_training(pipeline, run_one_process(tmp_path, "one", 2, *model, data_shares=2), "seq_aux_loss")
+    assert (pipeline / "train.log").read_text().count("sample: ") == 1  # gathered from the stages
 
 
 @pytest.mark.slow
