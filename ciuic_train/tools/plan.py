@@ -142,13 +142,13 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
     if config.dist.pp > 1:
         from ciuic_train.tools.plan_pipeline import pipeline_plan
 
-        pipeline = pipeline_plan(config, mesh, widths)
+        pipeline, parts = pipeline_plan(config, mesh, widths)
         # The pipeline rank that needs the most memory speaks for the run (the check a
         # run makes compares it with the device); the table gives every rank.
-        busiest = max(pipeline["ranks"], key=lambda r: r["memory"]["total"]["no_ac"])
-        units, memory, fits = busiest["units"], busiest["memory"], busiest["fits"]
-        pipeline["busiest"] = busiest["rank"]
-        comm_config, comm_model = busiest["micro_config"], busiest["model"]
+        busiest = max(range(len(parts)), key=lambda r: pipeline["ranks"][r]["memory"]["total"]["no_ac"])
+        pipeline["busiest"] = busiest
+        memory, fits = pipeline["ranks"][busiest]["memory"], pipeline["ranks"][busiest]["fits"]
+        units, comm_config, comm_model = parts[busiest]
     else:
         units = fsdp_units(model, mesh)
         acts = activation_bytes(config, widths, [u.matmul_weights for u in units[:-1]])
@@ -166,9 +166,7 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
         "activation_checkpointing": config.activation_checkpointing,
         "fits": fits,
         "comm": _communication(comm_config, comm_model, mesh, widths, units),
-        **({"pipeline": {key: value for key, value in pipeline.items() if key != "ranks"} | {
-            "ranks": [{k: v for k, v in r.items() if k not in ("units", "micro_config", "model")}
-                      for r in pipeline["ranks"]]}} if pipeline else {}),
+        **({"pipeline": pipeline} if pipeline else {}),
     }
 
 

@@ -34,7 +34,8 @@ from typing import Any
 
 from ciuic_train.config import Config
 from ciuic_train.distributed.mesh import MeshShape
-from ciuic_train.distributed.pipeline_split import V_SHAPED, n_microbatches, n_stages, stages_of_rank
+from ciuic_train.distributed.pipeline import keep_stage_parts, split_layers
+from ciuic_train.distributed.pipeline_split import n_microbatches, n_stages, stages_of_rank
 from ciuic_train.tools.plan_activations import Widths, activation_bytes
 from ciuic_train.tools.plan_memory import build_meta_model, fsdp_units, memory_figures
 
@@ -132,11 +133,11 @@ def bubble_fraction(order: dict[int, list[tuple[str, int, int]]], count: int) ->
     return 1 - busy / (len(order) * makespan)
 
 
-def pipeline_plan(config: Config, mesh: MeshShape, widths: Widths) -> dict[str, Any]:
+def pipeline_plan(config: Config, mesh: MeshShape, widths: Widths) -> tuple[dict[str, Any], list[tuple]]:
     """Each pipeline rank's figures (memory as `plan.memory_figures`, P2P bytes, stages and
-    layers), the schedule's bubble, and the shape of the micro-batches."""
-    from ciuic_train.distributed.pipeline import keep_stage_parts, split_layers
-
+    layers), the schedule's bubble and the shape of the micro-batches; and per rank what
+    `plan.py` counts its collectives from: (its FSDP units, the config of one micro-batch,
+    its part of the model)."""
     cfg, m, t = config.dist, config.model, config.train
     micro = n_microbatches(cfg)
     micro_config = dataclasses.replace(config, train=dataclasses.replace(t, batch_size=t.batch_size // micro))
@@ -157,7 +158,7 @@ def pipeline_plan(config: Config, mesh: MeshShape, widths: Widths) -> dict[str, 
         return kept + (hidden if stage else 0)  # a stage's input is kept for its backward
 
     owner = {stage: rank for rank in range(cfg.pp) for stage in stages_of_rank(rank, cfg)}
-    ranks = []
+    ranks, parts = [], []
     for rank in range(cfg.pp):
         stages = stages_of_rank(rank, cfg)
         model = build_meta_model(config)
@@ -176,10 +177,11 @@ def pipeline_plan(config: Config, mesh: MeshShape, widths: Widths) -> dict[str, 
             "rank": rank, "stages": stages, "layers": [len(split[s]) for s in stages],
             "in_flight": peak_in_flight(order[rank], dict.fromkeys(stages, 1)),  # stage micro-batches
             "memory": memory, "fits": fits, "p2p_bytes": sends,
-            "units": units, "micro_config": micro_config, "model": model,
         })
-    return {
+        parts.append((units, micro_config, model))
+    figures = {
         "schedule": cfg.pp_schedule.value, "stages": count, "microbatches": micro,
         "micro_batch_size": micro_config.train.batch_size, "layers_per_stage": [len(layers) for layers in split],
-        "bubble": bubble_fraction(order, count), "v_shaped": cfg.pp_schedule.value in V_SHAPED, "ranks": ranks,
+        "bubble": bubble_fraction(order, count), "ranks": ranks,
     }
+    return figures, parts
