@@ -286,3 +286,16 @@ def test_time_folded_accumulation_weighs_a_pipelines_accumulated_steps(tmp_path)
     assert alone.returncode == 0, alone.stderr[-3000:]
     piped, single = metrics(pipeline), metrics(tmp_path / "one")
     assert [m["loss"] for m in piped] == pytest.approx([m["loss"] for m in single], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_in_the_stages_train_as_eager(tmp_path, monkeypatch):
+    """compile=true under 1f1b: each stage's blocks compiled (inductor, C++ on CPU; most of a
+    minute on 2 cores), the curve the eager pipeline's."""
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the ranks' compiled code lands here
+    compiled = metrics(run_pipeline(tmp_path, "compiled", "compile=true", steps=6))
+    assert any(cache.rglob("*.py")), "nothing was compiled"
+    eager = metrics(run_pipeline(tmp_path, "eager", steps=6))
+    assert [m["loss"] for m in compiled] == pytest.approx([m["loss"] for m in eager], abs=1e-4)
+    assert [m["grad_norm"] for m in compiled] == pytest.approx([m["grad_norm"] for m in eager], rel=1e-3)
