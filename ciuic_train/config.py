@@ -204,8 +204,10 @@ class DistConfig:
     ep: int = 1
     # DDP's gradient buckets (MiB): each is all-reduced as soon as its gradients are ready,
     # so smaller ones hide more of the all-reduce behind backward on a slow link
-    # (docs/bench/README.md, "DDP across two emulated hosts"). 25 is torch's default.
-    ddp_bucket_mb: float = 25.0
+    # (docs/bench/README.md, "DDP across two emulated hosts"). 0: sized from the model,
+    # an eighth of its gradients' bytes within 1 to 25 MiB (torch's default, where one
+    # bucket can hold almost a small model's gradients and fill only as backward ends).
+    ddp_bucket_mb: float = 0.0
     # Pipeline parallelism (ciuic_train/distributed/pipeline.py): the layers split over `pp`
     # ranks, outermost in the mesh. Each `train.batch_size` batch runs through the schedule
     # as `pp_microbatches` micro-batches (0: one per stage); `pp_layers` lists the layers of
@@ -446,8 +448,9 @@ def validate(config: Config) -> None:
         raise UserError(f"ckpt.keep_last={config.ckpt.keep_last} must be at least 1")
     if config.dist.nproc_per_node < 1:
         raise UserError(f"dist.nproc_per_node={config.dist.nproc_per_node} must be at least 1")
-    if config.dist.ddp_bucket_mb <= 0:
-        raise UserError(f"dist.ddp_bucket_mb={config.dist.ddp_bucket_mb} must be positive")
+    if config.dist.ddp_bucket_mb < 0:
+        raise UserError(f"dist.ddp_bucket_mb={config.dist.ddp_bucket_mb} must be positive, or 0 to size the "
+                        "buckets from the model")
     if config.dist.nnodes < 1:
         raise UserError(f"dist.nnodes={config.dist.nnodes} must be at least 1")
     if config.dist.timeout_s < 1:

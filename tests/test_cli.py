@@ -56,7 +56,7 @@ def test_tiny_run_from_another_folder_writes_the_run_folder(tmp_path: Path):
         (["device=gpu"], "expected one of [auto, cpu, cuda]"),
         (["train.lr=1,2"], "add -m"),
         (["-m", "train.lr=1,abc"], "train.lr"),
-        (["dist.ddp_bucket_mb=0"], "dist.ddp_bucket_mb=0.0 must be positive"),
+        (["dist.ddp_bucket_mb=-1"], "dist.ddp_bucket_mb=-1.0 must be positive, or 0 to size the buckets from the model"),
     ],
 )
 def test_user_mistakes_get_one_line_and_leave_nothing(tmp_path: Path, args, expected):

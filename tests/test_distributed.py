@@ -236,14 +236,21 @@ def test_ddp_takes_its_bucket_size_from_the_config(tmp_path):
     import torch.distributed as dist
 
     from ciuic_train.distributed.mesh import Mesh, MeshShape
-    from ciuic_train.distributed.data_parallel import replicate_with_ddp
+    from ciuic_train.distributed.data_parallel import auto_bucket_mb, replicate_with_ddp
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         replica = replicate_with_ddp(torch.nn.Linear(4, 4), Mesh(MeshShape(), torch.device("cpu")), None, bucket_mb=0.5)
         assert replica.bucket_bytes_cap == 512 * 1024
+        # 0: an eighth of the gradients' bytes, within 1 to 25 MiB.
+        mesh = Mesh(MeshShape(), torch.device("cpu"))
+        sixteen_mib = torch.nn.Linear(1024, 4096, bias=False)  # 4 M fp32 weights
+        assert replicate_with_ddp(sixteen_mib, mesh, None).bucket_bytes_cap == 2 * 2**20
     finally:
         dist.destroy_process_group()
+    with torch.device("meta"):
+        assert auto_bucket_mb(torch.nn.Linear(4, 4)) == 1.0
+        assert auto_bucket_mb(torch.nn.Linear(4096, 16384, bias=False)) == 25.0  # 256 MiB: torch's cap
 
 
 def test_fsdp_bf16_keeps_the_rope_tables_fp32(tmp_path):

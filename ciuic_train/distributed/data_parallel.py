@@ -28,10 +28,25 @@ if TYPE_CHECKING:
     from ciuic_train.tricks import CommHook
 
 
-def replicate_with_ddp(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None, bucket_mb: float = 25.0) -> nn.Module:
+# Buckets per model under `dist.ddp_bucket_mb=0`, and the bounds of their size (MiB).
+AUTO_BUCKETS, MIN_BUCKET_MB, MAX_BUCKET_MB = 8, 1.0, 25.0
+
+
+def auto_bucket_mb(model: nn.Module) -> float:
+    """The bucket size `dist.ddp_bucket_mb=0` means: an eighth of the model's gradient bytes,
+    so the first buckets are all-reduced while backward still runs, within 1 MiB (below,
+    each bucket's collective costs more than it hides) and torch's 25 MiB."""
+    grad_mb = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
+    return min(MAX_BUCKET_MB, max(MIN_BUCKET_MB, grad_mb / AUTO_BUCKETS))
+
+
+def replicate_with_ddp(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None, bucket_mb: float = 0.0) -> nn.Module:
     """DDP: every rank a full replica, gradients all-reduced in buckets of `bucket_mb` MiB
-    during backward (a bucket goes as soon as its gradients are ready)."""
+    (0: `auto_bucket_mb`) during backward (a bucket goes as soon as its gradients are ready;
+    DDP's first bucket holds 1 MiB, the last layers', whatever the size)."""
     from torch.nn.parallel import DistributedDataParallel
+
+    bucket_mb = bucket_mb or auto_bucket_mb(model)
 
     # Buffers are not re-broadcast before each forward: each rank's MoE token counts are
     # its own until `balance_experts` all-reduces them.
