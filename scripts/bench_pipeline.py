@@ -49,6 +49,7 @@ from rich.table import Table
 
 from bench import results_console
 from ciuic_train.config import register_configs, to_config
+from ciuic_train.distributed.pipeline_split import ONE_STAGE_PER_RANK
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.train.trainer import Trainer
 
@@ -65,7 +66,7 @@ def layout_overrides(name: str, batch_size: int, microbatches: int) -> list[str]
     if name == "fsdp":
         return [f"train.batch_size={batch_size}", f"dist.dp_shard={NPROC}", "dist.dp_replicate=1"]
     schedule = name.removeprefix("pp_")
-    per_rank = 1 if schedule in ("gpipe", "1f1b") else 2
+    per_rank = 1 if schedule in ONE_STAGE_PER_RANK else 2
     return [f"train.batch_size={NPROC * batch_size}", f"dist.pp={NPROC}", f"dist.pp_schedule={schedule}",
             f"dist.pp_stages_per_rank={per_rank}", f"dist.pp_microbatches={microbatches}", "dist.dp_replicate=1"]
 
@@ -176,7 +177,7 @@ def summarize(raw: dict) -> dict[str, Any]:
         if name.startswith("pp_"):
             row["measured_bubble"] = [1 - statistics.median(rank["busy"][name]) for rank in raw["ranks"]]
             schedule = name.removeprefix("pp_")
-            per_rank = 1 if schedule in ("gpipe", "1f1b") else 2
+            per_rank = 1 if schedule in ONE_STAGE_PER_RANK else 2
             dist_cfg = _dist(schedule, per_rank, raw)
             row["schedule_bubble"] = bubble_fraction(schedule_order(dist_cfg), NPROC * per_rank)
         out[name] = row

@@ -51,11 +51,13 @@ from torch import nn
 
 from ciuic_train.config import Config, Precision
 from ciuic_train.distributed.pipeline_split import (
+    ONE_STAGE_PER_RANK,
     V_SHAPED,
     balanced_split,
     check_pipeline_mesh,
     n_microbatches,
     n_stages,
+    stage_owners,
     stages_of_rank,
 )
 from ciuic_train.distributed.process_group import Parallel
@@ -171,6 +173,19 @@ def residual_dtype(config: Config, shape: Any) -> torch.dtype:
     return torch.bfloat16 if config.precision is Precision.bf16 and shape.strategy != "none" else torch.float32
 
 
+def schedule_class(name: str) -> type:
+    """torch's schedule for `dist.pp_schedule=name`."""
+    from torch.distributed.pipelining import schedules
+
+    return {
+        "gpipe": schedules.ScheduleGPipe,
+        "1f1b": schedules.Schedule1F1B,
+        "interleaved_1f1b": schedules.ScheduleInterleaved1F1B,
+        "zbv": schedules.ScheduleZBVZeroBubble,
+        "dualpipev": schedules.ScheduleDualPipeV,
+    }[name]
+
+
 def stage_modules(model: Transformer, stage_ids: list[int], split: list[list[int]], config: Config,
                   autocast: Any = None) -> list[StageModule]:
     """The `StageModule`s of `stage_ids` over `model` (pruned by `keep_stage_parts`)."""
@@ -197,8 +212,7 @@ class Pipeline:
         self.micro_batch_size = config.train.batch_size // self.n_microbatches
         self.split = split_layers(model, config)
         count = len(self.split)
-        # The pipeline rank that runs each stage.
-        self.stage_owner = {stage: rank for rank in range(cfg.pp) for stage in stages_of_rank(rank, cfg)}
+        self.stage_owner = stage_owners(cfg)
         self.stage_ids = stages_of_rank(parallel.pp_rank, cfg)
         self.holds_first, self.holds_last = 0 in self.stage_ids, count - 1 in self.stage_ids
         self.holds_loss = self.holds_last
@@ -249,18 +263,9 @@ class Pipeline:
         return group
 
     def _schedule(self, name: str):
-        from torch.distributed.pipelining import schedules
-
-        classes = {
-            "gpipe": schedules.ScheduleGPipe,
-            "1f1b": schedules.Schedule1F1B,
-            "interleaved_1f1b": schedules.ScheduleInterleaved1F1B,
-            "zbv": schedules.ScheduleZBVZeroBubble,
-            "dualpipev": schedules.ScheduleDualPipeV,
-        }
-        single = name in ("gpipe", "1f1b")
-        stages = self.torch_stages[0] if single else self.torch_stages
-        return classes[name](stages, n_microbatches=self.n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        stages = self.torch_stages[0] if name in ONE_STAGE_PER_RANK else self.torch_stages
+        return schedule_class(name)(stages, n_microbatches=self.n_microbatches, loss_fn=self._loss_fn,
+                                    scale_grads=False)
 
     def _evaluate(self, *args, target: torch.Tensor, return_outputs: bool, tokens: torch.Tensor,
                   targets: torch.Tensor) -> None:

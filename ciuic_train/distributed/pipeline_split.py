@@ -39,6 +39,11 @@ def stages_of_rank(pp_rank: int, dist: DistConfig) -> list[int]:
     return [pp_rank + k * pp for k in range(dist.pp_stages_per_rank)]
 
 
+def stage_owners(dist: DistConfig) -> dict[int, int]:
+    """The pipeline rank that runs each stage."""
+    return {stage: rank for rank in range(dist.pp) for stage in stages_of_rank(rank, dist)}
+
+
 def check_pipeline(config: Config) -> None:
     """Refuse, in one line each, a pipeline that cannot run: a schedule and a number of
     stages per rank that do not go together, a split that leaves a stage without layers,

@@ -142,7 +142,7 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
     if config.dist.pp > 1:
         from ciuic_train.tools.plan_pipeline import pipeline_plan
 
-        pipeline, parts = pipeline_plan(config, mesh, widths)
+        pipeline, parts = pipeline_plan(config, mesh, widths, model)
         # The pipeline rank that needs the most memory speaks for the run (the check a
         # run makes compares it with the device); the table gives every rank.
         busiest = max(range(len(parts)), key=lambda r: pipeline["ranks"][r]["memory"]["total"]["no_ac"])

@@ -11,7 +11,7 @@ one backward and one forward in turn. From that order:
 - **activations in flight**: walking a rank's actions, a micro-batch's activations for a
   stage are held from its F to its B (or, split, to its W: the weight gradient still needs
   the matmuls' inputs after I, so this is an upper bound); the peak over the walk of the
-  held bytes, each stage's at `micro_batch_activations`, plus the working set of one
+  held bytes, each stage's micro-batch at its blocks' estimates, plus the working set of one
   block (two under activation checkpointing), is the rank's activation estimate;
 - **bubble**: the order run with F = I = W = 1 and B = 2 time units for every stage (the
   equal-stage assumption of the zero-bubble papers), each action starting when its rank
@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ciuic_train.config import Config
 from ciuic_train.distributed.mesh import MeshShape
-from ciuic_train.distributed.pipeline import keep_stage_parts, split_layers
-from ciuic_train.distributed.pipeline_split import n_microbatches, n_stages, stages_of_rank
+from ciuic_train.distributed.pipeline import keep_stage_parts, schedule_class, split_layers
+from ciuic_train.distributed.pipeline_split import n_microbatches, n_stages, stage_owners, stages_of_rank
 from ciuic_train.tools.plan_activations import Widths, activation_bytes
 from ciuic_train.tools.plan_memory import build_meta_model, fsdp_units, memory_figures
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # Time units of each action in the bubble's replay.
 DURATION = {"F": 1, "B": 2, "I": 1, "W": 1}
@@ -64,16 +67,13 @@ def schedule_order(dist_cfg: Any) -> dict[int, list[tuple[str, int, int]]]:
 
 def _torch_order(dist_cfg: Any) -> dict[int, list[tuple[str, int, int]]]:
     import torch
-    from torch.distributed.pipelining import schedules
 
-    classes = {"interleaved_1f1b": schedules.ScheduleInterleaved1F1B, "zbv": schedules.ScheduleZBVZeroBubble,
-               "dualpipev": schedules.ScheduleDualPipeV}
     pp, count = dist_cfg.pp, n_stages(dist_cfg)
     # What the schedules read of a stage to plan the order (nothing runs).
     stand_ins = [types.SimpleNamespace(group_size=pp, group_rank=0, num_stages=count, stage_index=i,
                                        is_first=i == 0, is_last=i == count - 1, submod=torch.nn.Identity())
                  for i in stages_of_rank(0, dist_cfg)]
-    schedule = classes[dist_cfg.pp_schedule.value](stand_ins, n_microbatches=n_microbatches(dist_cfg))
+    schedule = schedule_class(dist_cfg.pp_schedule.value)(stand_ins, n_microbatches=n_microbatches(dist_cfg))
     order: dict[int, list[tuple[str, int, int]]] = {}
     for rank, actions in schedule.pipeline_order.items():
         order[rank] = []
@@ -88,12 +88,11 @@ def _torch_order(dist_cfg: Any) -> dict[int, list[tuple[str, int, int]]]:
 def peak_in_flight(actions: list[tuple[str, int, int]], stage_bytes: dict[int, int]) -> int:
     """The most bytes of activations held at once over a rank's actions (module docstring)."""
     held = peak = 0
-    split = {(stage, mb) for kind, stage, mb in actions if kind == "W"}
-    for kind, stage, mb in actions:
+    for kind, stage, _ in actions:
         if kind == "F":
             held += stage_bytes[stage]
             peak = max(peak, held)
-        elif kind == "W" or (kind == "B" and (stage, mb) not in split):
+        elif kind in ("B", "W"):  # a whole backward, or a split one's weight half (not I)
             held -= stage_bytes[stage]
     return peak
 
@@ -133,15 +132,15 @@ def bubble_fraction(order: dict[int, list[tuple[str, int, int]]], count: int) ->
     return 1 - busy / (len(order) * makespan)
 
 
-def pipeline_plan(config: Config, mesh: MeshShape, widths: Widths) -> tuple[dict[str, Any], list[tuple]]:
+def pipeline_plan(config: Config, mesh: MeshShape, widths: Widths,
+                  whole: nn.Module) -> tuple[dict[str, Any], list[tuple]]:
     """Each pipeline rank's figures (memory as `plan.memory_figures`, P2P bytes, stages and
     layers), the schedule's bubble and the shape of the micro-batches; and per rank what
     `plan.py` counts its collectives from: (its FSDP units, the config of one micro-batch,
-    its part of the model)."""
+    its part of the model). `whole`: the whole model on meta (left whole)."""
     cfg, m, t = config.dist, config.model, config.train
     micro = n_microbatches(cfg)
     micro_config = dataclasses.replace(config, train=dataclasses.replace(t, batch_size=t.batch_size // micro))
-    whole = build_meta_model(config)
     split = split_layers(whole, config)
     count = len(split)
     order = schedule_order(cfg)
@@ -157,7 +156,7 @@ def pipeline_plan(config: Config, mesh: MeshShape, widths: Widths) -> tuple[dict
             kept += acts["top"] + (len(mtp_blocks) * hidden if checkpointed else sum(mtp_blocks))
         return kept + (hidden if stage else 0)  # a stage's input is kept for its backward
 
-    owner = {stage: rank for rank in range(cfg.pp) for stage in stages_of_rank(rank, cfg)}
+    owner = stage_owners(cfg)
     ranks, parts = [], []
     for rank in range(cfg.pp):
         stages = stages_of_rank(rank, cfg)

@@ -82,14 +82,14 @@ def simulate(config: Config) -> Measured:
                 from ciuic_train.tools.simulate_pipeline import build_pipeline_rank, measure_pipeline_step
 
                 model, stages = build_pipeline_rank(config, mesh, 0, fake=_fake_tensors(fake))
-                with _fake_tensors(fake):
-                    uniform = prepare_rank(model, cuda)
-                    measured = measure_pipeline_step(config, model, stages, schedule_order(config.dist)[0], shape)
+                actions = schedule_order(config.dist)[0]
+                step = functools.partial(measure_pipeline_step, config, model, stages, actions, shape)
             else:
                 model, wrapped = build_rank(config, mesh, fake=_fake_tensors(fake))
-                with _fake_tensors(fake):
-                    uniform = prepare_rank(model, cuda)
-                    measured = measure_step(config, model, wrapped, mesh.strategy)
+                step = functools.partial(measure_step, config, model, wrapped, mesh.strategy)
+            with _fake_tensors(fake):
+                uniform = prepare_rank(model, cuda)
+                measured = step()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -19,6 +19,7 @@ parallelism in the stages only one stage per rank is simulated (`check_simulable
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from contextlib import nullcontext
 from typing import Any
@@ -40,14 +41,11 @@ def _without_module_stats(tracker: type) -> type:
     backward, the optimizer); the step's snapshots are taken after each action instead."""
 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.utils.weak import WeakIdKeyDictionary
 
     class WithoutModuleStats(tracker):
-        seen: Any = None
-
-        def __enter__(self):
-            self.seen = self.seen if self.seen is not None else _WeakSet(WeakIdKeyDictionary())
-            return super().__enter__()
+        def __init__(self, *args: Any):
+            super().__init__(*args)
+            self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
         def _pre_fw_hook(self, module, inputs) -> None:
             # The one thing kept: a module's parameters, and the hooks that tell their
@@ -77,20 +75,8 @@ class _Forward(nn.Module):
         return stage(*args)
 
 
-class _WeakSet:
-    """The modules seen, held weakly."""
-
-    def __init__(self, store: Any):
-        self.store = store
-
-    def add(self, item: Any) -> None:
-        self.store[item] = True
-
-    def __contains__(self, item: Any) -> bool:
-        return item in self.store
-
-
 def check_simulable(config: Config, shape: MeshShape) -> None:
+    """Refuse, in one line, a pipeline rank the tracker cannot follow (module docstring)."""
     if shape.strategy != "none" and config.dist.pp_stages_per_rank > 1:
         raise UserError(
             f"--simulate follows one FSDP2 root per rank, and dist.pp_stages_per_rank="
