@@ -127,6 +127,16 @@ class DataConfig:
     # Tokenizing: worker processes (0: one per CPU) and the MiB of text each takes at a time.
     workers: int = 0
     chunk_mb: float = 32.0
+    # Each document (a file of a text corpus) ends with the tokenizer's end-of-text id: bytes
+    # reserve id 256 (model.vocab_size follows: 257), a BPE trains <|endoftext|> as id 0, a
+    # tokenizer.json has its own. false: documents end with a blank line, as before.
+    eos: bool = False
+    # Attention stays inside each document, as the corpus's document index says (text
+    # corpora get one when tokenized; data=tokens: an .idx beside each .bin). false: attention
+    # runs across the documents a window holds, as before.
+    doc_mask: bool = False
+    # With doc_mask: the positions RoPE rotates by restart at 0 at each document start.
+    doc_positions: bool = False
 
 
 @dataclass
@@ -371,6 +381,19 @@ def _validate_tokenizer(data: DataConfig) -> None:
         raise UserError(f"data.chunk_mb={data.chunk_mb} must be positive")
 
 
+def _validate_documents(config: Config) -> None:
+    data = config.data
+    if data.doc_positions and not data.doc_mask:
+        raise UserError("data.doc_positions=true restarts positions per document: it needs data.doc_mask=true")
+    if data.eos and data.name == "tokens":
+        raise UserError("data.eos=true ends documents while tokenizing text; data=tokens is already tokenized")
+    if data.doc_mask and config.dist.pp > 1:
+        raise UserError(
+            f"data.doc_mask=true does not run in a pipeline yet (dist.pp={config.dist.pp}); "
+            "set dist.pp=1 or data.doc_mask=false"
+        )
+
+
 def _validate_profile(profile: ProfileConfig, max_steps: int) -> None:
     for key in ("wait", "warmup", "repeat", "top"):
         if getattr(profile, key) < 0:
@@ -429,6 +452,7 @@ def validate(config: Config) -> None:
     if config.data.name in ("text", "tokens") and not config.data.path:
         raise UserError(f"data={config.data.name} needs data.path=FILE, FOLDER or GLOB")
     _validate_tokenizer(config.data)
+    _validate_documents(config)
     if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
         raise UserError(f"optim.min_lr_ratio={config.optim.min_lr_ratio} must be between 0 and 1")
     fractions = config.optim.step_fractions

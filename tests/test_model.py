@@ -125,7 +125,7 @@ def test_attention_scores_depend_only_on_relative_position():
     captured = {}
     attention = attn.attention
 
-    def spy(q, k, v, scale):
+    def spy(q, k, v, scale, docs=None):
         captured["q"], captured["k"] = q, k
         return attention(q, k, v, scale)
 

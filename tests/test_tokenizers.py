@@ -170,7 +170,7 @@ def test_data_tokens_reads_uint32_by_data_dtype_and_refuses_contradictions(tmp_p
 
 def build_in_child(cfg, log_file, out):
     """One of two processes asking for the same BPE entry at once (as two ranks do)."""
-    def counting_train(texts, size, _train=token_cache.train_bpe):
+    def counting_train(texts, size, *rest, _train=token_cache.train_bpe):
         with open(log_file, "a") as f:
             f.write(f"{os.getpid()}\n")
         return _train(texts, size)

@@ -327,7 +327,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_parameter_names(t
     assert list(recomputed.model.state_dict()) == list(plain_trainer.model.state_dict())
     calls, attn = [], recomputed.model.layers[0].attn
     original = attn.forward
-    attn.forward = lambda *args: calls.append(1) or original(*args)  # hooks are muted in recompute
+    attn.forward = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)  # hooks are muted in recompute
     loss, grads = _first_step_grads(recomputed)
     assert len(calls) == 2  # once forward, once recomputed during backward
     assert loss == pytest.approx(plain[0], rel=1e-6)

@@ -53,14 +53,16 @@ def job_config(cfg: DictConfig, overrides: list[str]) -> Config:
 def _model_follows_data(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """Model fields the data decides, unless the command line gives them: model.vocab_size
     becomes the tokenizer's size (data.tokenizer=bpe: data.vocab_size; a tokenizer.json:
-    its vocabulary, added tokens included)."""
+    its vocabulary, added tokens included; bytes with data.eos=true: at least 257, the
+    preset's 256 and the end-of-text id)."""
     given = {override.split("=", 1)[0].lstrip("+~") for override in overrides}
-    if "model.vocab_size" not in given and cfg.data.tokenizer != "bytes":  # bytes: the preset's stands
+    eos = bool(cfg.data.get("eos", False))
+    if "model.vocab_size" not in given and (cfg.data.tokenizer != "bytes" or eos):  # bytes: the preset's stands
         from ciuic_train.data.tokenizer import model_vocab_size
 
-        size = model_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size)
+        size = model_vocab_size(cfg.data.tokenizer, cfg.data.vocab_size, eos)
         if size is not None:
-            cfg.model.vocab_size = size
+            cfg.model.vocab_size = max(size, cfg.model.vocab_size) if cfg.data.tokenizer == "bytes" else size
     return cfg
 
 

@@ -5,8 +5,10 @@ flat token ids (uint16, or uint32 for a vocabulary beyond 65,536, as `tokens.jso
 beside them says). `data=tokens` is already that (or shards `train_*.bin`, `val_*.bin`,
 read as one stream: `shards.py`), and is opened where it is; text
 (`data=stdlib`, `data=text`) is tokenized once into the cache (`token_cache.py`) and
-opened there. Which files make a corpus is `sources.py`'s; how windows are drawn from the
-ids, `sampler.py`'s.
+opened there. Beside each `.bin` an `.idx` may say where its documents start
+(`documents.py`): the cache writes them, `data=tokens` reads them where they are, and
+`data.doc_mask=true` needs them. Which files make a corpus is `sources.py`'s; how windows
+are drawn from the ids, `sampler.py`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from ciuic_train.config import DataConfig
+from ciuic_train.data.documents import DocumentIndex, index_path
 from ciuic_train.data.shards import TokenShards
 from ciuic_train.data.sources import Sources, find_sources
 from ciuic_train.data.token_cache import cache_entry
@@ -45,28 +48,53 @@ class TokenSplits:
     description: str
     # What encodes prompts and decodes samples; bytes unless data.tokenizer says otherwise.
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    # Where each split's documents start; None where the corpus does not record it.
+    train_docs: DocumentIndex | None = None
+    val_docs: DocumentIndex | None = None
 
 
 def load_tokens(cfg: DataConfig) -> TokenSplits:
     """Token splits for the configured corpus, tokenizing and caching text on first use."""
     sources = find_sources(cfg)
     if sources.kind == "tokens":
-        return _load_pretokenized(cfg, sources)
+        splits = _load_pretokenized(cfg, sources)
+    else:
+        splits = _load_cached(cfg, sources)
+    if cfg.doc_mask:
+        _require_documents(splits, sources)
+    return splits
+
+
+def _load_cached(cfg: DataConfig, sources: Sources) -> TokenSplits:
+    """Text (data=stdlib, data=text): its cache entry, tokenized first unless it is there."""
     folder = cache_entry(sources, cfg)
     if cfg.tokenizer != BYTES:
         tokenizer = JsonTokenizer(cfg.tokenizer, (folder / TOKENIZER_FILE).read_text(encoding="utf-8"))
     else:
-        tokenizer = ByteTokenizer()
+        tokenizer = ByteTokenizer(cfg.eos)
     dtype = read_token_meta(folder).get("dtype", "uint16")  # entries before tokens.json were bytes in uint16
     n_files = len(sources.train) + len(sources.val)
     origin = f"python {sys.version.split()[0]} stdlib" if sources.kind == "stdlib" else cfg.path
     what = "bytes" if cfg.tokenizer == BYTES else f"{cfg.tokenizer}, {tokenizer.vocab_size:,} tokens"
+    if cfg.eos:
+        what += f", documents end with id {tokenizer.end_of_text_id()}"
+    train, val = _open_bin(folder / "train.bin", dtype), _open_bin(folder / "val.bin", dtype)
     return TokenSplits(
-        _open_bin(folder / "train.bin", dtype),
-        _open_bin(folder / "val.bin", dtype),
-        tokenizer.vocab_size,
-        f"{origin} ({n_files} files, {what})",
-        tokenizer,
+        train, val, tokenizer.vocab_size, f"{origin} ({n_files} files, {what})", tokenizer,
+        DocumentIndex.beside([folder / "train.bin"], [len(train)]),
+        DocumentIndex.beside([folder / "val.bin"], [len(val)]),
+    )
+
+
+def _require_documents(splits: TokenSplits, sources: Sources) -> None:
+    """data.doc_mask=true on a corpus that does not say where its documents start: one line."""
+    if splits.train_docs is not None and splits.val_docs is not None:
+        return
+    missing = next(index_path(path) for path in sources.train + sources.val if not index_path(path).is_file())
+    raise UserError(
+        f"data.doc_mask=true needs the document starts beside each token file, and {missing} is not there "
+        "(uint64 offsets of each document's first token; text corpora get them when tokenized); "
+        "or set data.doc_mask=false"
     )
 
 
@@ -74,15 +102,24 @@ def _load_pretokenized(cfg: DataConfig, sources: Sources) -> TokenSplits:
     """data=tokens: ids as written by any tokenizer; data.tokenizer (a tokenizer.json) decodes samples."""
     dtype = _declared_dtype(cfg, sources.train[0].parent)
     train = _open_split(sources.train, dtype)
+    train_docs = DocumentIndex.beside(sources.train, _lengths(train))
     val = _open_split(sources.val, dtype) if sources.val else None
     if val is None:
         train, val = _tail_split(train, sources.tail_fraction)
+        val_docs = train_docs.tail(len(train)) if train_docs is not None else None
+    else:
+        val_docs = DocumentIndex.beside(sources.val, _lengths(val))
     vocab = max(int(chunk.max(initial=0)) for split in (train, val) for chunk in chunks(split)) + 1
     tokenizer = ByteTokenizer() if cfg.tokenizer == BYTES else load_tokenizer_file(cfg.tokenizer)
     if cfg.tokenizer != BYTES:
         vocab = max(vocab, tokenizer.vocab_size)
     shards = f", {len(sources.train)} train / {len(sources.val)} val shards" if len(sources.train) > 1 else ""
-    return TokenSplits(train, val, vocab, f"tokens {cfg.path} ({dtype}{shards})", tokenizer)
+    return TokenSplits(train, val, vocab, f"tokens {cfg.path} ({dtype}{shards})", tokenizer, train_docs, val_docs)
+
+
+def _lengths(split) -> list[int]:
+    """The tokens of each file a split was opened from (`_open_split`), empty shards as 0."""
+    return split.file_lengths if isinstance(split, TokenShards) else [len(split)]
 
 
 def _open_split(paths: list[Path], dtype: str):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ciuic_train.data.documents import DocumentIndex
 from ciuic_train.errors import UserError
+from ciuic_train.model.documents import document_positions
 
 
 class WindowSampler:
@@ -87,6 +89,18 @@ def get_batch(tokens: np.ndarray, indices: torch.Tensor, seq_len: int) -> tuple[
     rows = np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in indices.tolist()])
     rows = torch.from_numpy(rows.astype(np.int64))
     return rows[:, :-1], rows[:, 1:]
+
+
+def window_documents(
+    index: DocumentIndex, indices: torch.Tensor, seq_len: int, restart_positions: bool = False
+) -> dict[str, torch.Tensor]:
+    """The model's document inputs for the given windows' inputs: `docs` [B, T], each
+    position's document in its window, and with `restart_positions` the `positions` [B, T]
+    RoPE rotates by, 0 at each document's first token (`model/documents.py`)."""
+    docs = torch.from_numpy(index.window_documents([i * seq_len for i in indices.tolist()], seq_len))
+    if not restart_positions:
+        return {"docs": docs}
+    return {"docs": docs, "positions": document_positions(docs)}
 
 
 def eval_indices(tokens: np.ndarray, seq_len: int, count: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import numpy as np
 class TokenShards:
     def __init__(self, parts: list[np.ndarray]):
         self.parts = [part for part in parts if len(part)]
+        self.file_lengths = [len(part) for part in parts]  # empty ones too: the document index's offsets
         self.dtype = parts[0].dtype
         self.ends = list(itertools.accumulate(len(part) for part in self.parts))  # each part's end in the stream
 

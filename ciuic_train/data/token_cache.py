@@ -1,10 +1,15 @@
 """The tokenized cache: text corpora tokenized once, in bounded memory, shared by runs and ranks.
 
 An entry is a folder in the nanoGPT layout (`train.bin`, `val.bin`: flat token ids, uint16
-or uint32 as `tokens.json` beside them says, and the tokenizer.json that made them). Its
-name is a key made of the source files' names, sizes and modification times and of the
-tokenizer (bytes, a tokenizer.json, or a BPE trained here on the training split), so a
+or uint32 as `tokens.json` beside them says, the tokenizer.json that made them, and where
+each file's tokens start: `train.idx`, `val.idx`, `documents.py`). Its name is a key made
+of the source files' names, sizes and modification times, of the tokenizer (bytes, a
+tokenizer.json, or a BPE trained here on the training split) and of `data.eos`, so a
 second run with the same sources starts at once.
+
+A file is a document: it ends with the tokenizer's end-of-text id under `data.eos=true`,
+else with a blank line, as before there were documents (the same tokens: only the key's
+version changed, for the index, so entries made before it are tokenized once again).
 
 Tokenizing streams: files, cut into chunks of `data.chunk_mb` at newlines, go to worker
 processes and their ids are appended to the token files in order, so memory stays
@@ -31,6 +36,7 @@ from typing import Iterator
 import numpy as np
 
 from ciuic_train.config import DataConfig
+from ciuic_train.data.documents import write_index
 from ciuic_train.data.sources import Sources
 from ciuic_train.data.tokenizer import (
     BPE,
@@ -63,11 +69,15 @@ def cache_entry(sources: Sources, cfg: DataConfig) -> Path:
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     tokenizer = None if cfg.tokenizer in (BYTES, BPE) else load_tokenizer_file(cfg.tokenizer)
     suffix = f"-tok{tokenizer.fingerprint()}" if tokenizer else {BYTES: "", BPE: f"-bpe{cfg.vocab_size}"}[cfg.tokenizer]
+    if cfg.eos:
+        suffix += "-eos"
+        if tokenizer is not None:
+            tokenizer.end_of_text_id()  # a tokenizer.json without one fails here, before any work
     folder = cache / f"{sources.kind}-{_sources_key(sources)}{suffix}"
     if not _complete(folder):
         with _cache_lock(folder):
             if not _complete(folder):
-                _build_entry(sources, cfg, folder, tokenizer or ByteTokenizer())
+                _build_entry(sources, cfg, folder, tokenizer or ByteTokenizer(cfg.eos))
     return folder
 
 
@@ -98,7 +108,7 @@ def _cache_lock(folder: Path) -> Iterator[None]:
 
 
 def _sources_key(sources: Sources) -> str:
-    h = hashlib.sha256(f"v1 {sources.tail_fraction}".encode())
+    h = hashlib.sha256(f"v2 {sources.tail_fraction}".encode())  # v2: with the document index
     for split, files in (("train", sources.train), ("val", sources.val)):
         for f in files:
             st = f.stat()
@@ -117,13 +127,16 @@ def _build_entry(sources: Sources, cfg: DataConfig, folder: Path, tokenizer: Tok
         if cfg.tokenizer == BPE:
             if launcher_rank() == 0:
                 log.info(f"training a byte-level BPE of {cfg.vocab_size} tokens on {len(sources.train)} files")
-            tokenizer = train_bpe(_texts(sources.train, chunk_bytes), cfg.vocab_size)
+            tokenizer = train_bpe(_texts(sources.train, chunk_bytes), cfg.vocab_size, cfg.eos)
         if tokenizer.to_str() is not None:
             (tmp / TOKENIZER_FILE).write_text(tokenizer.to_str(), encoding="utf-8")
-        counts = _write_tokens(sources, tokenizer, tmp, chunk_bytes, cfg.workers)
+        eos_id = tokenizer.end_of_text_id() if cfg.eos else None
+        counts = _write_tokens(sources, tokenizer, tmp, chunk_bytes, cfg.workers, eos_id)
         dtype = np.dtype(tokenizer.dtype).name
-        write_json_atomic(tmp / "tokens.json",
-                          {"tokenizer": tokenizer.name, "dtype": dtype, "vocab_size": tokenizer.vocab_size, **counts})
+        meta = {"tokenizer": tokenizer.name, "dtype": dtype, "vocab_size": tokenizer.vocab_size, **counts}
+        if eos_id is not None:
+            meta["eos_id"] = eos_id
+        write_json_atomic(tmp / "tokens.json", meta)
         if folder.exists() and not _complete(folder):  # an unfinished entry of an older version, built in place
             shutil.rmtree(folder)
         try:
@@ -161,49 +174,66 @@ def _chunks(sources: Sources, chunk_bytes: int) -> list[Chunk]:
     ]
 
 
-def _write_tokens(sources: Sources, tokenizer: Tokenizer, folder: Path, chunk_bytes: int, workers: int) -> dict[str, int]:
-    """Append each chunk's ids to train.bin / val.bin in order; a missing val split is the
-    tail of the training tokens. Returns the token counts."""
+def _write_tokens(sources: Sources, tokenizer: Tokenizer, folder: Path, chunk_bytes: int, workers: int,
+                  eos_id: int | None = None) -> dict[str, int]:
+    """Append each chunk's ids to train.bin / val.bin in order, and each file's first
+    token's offset to train.idx / val.idx; a missing val split is the tail of the training
+    tokens. Returns the token and document counts."""
     chunks = _chunks(sources, chunk_bytes)
     dtype = np.dtype(tokenizer.dtype)
     total = sum(end - start for _, _, start, end in chunks)
+    written = {"train": 0, "val": 0}
+    starts: dict[str, list[int]] = {"train": [], "val": []}
     with (folder / "train.bin").open("wb") as train, (folder / "val.bin").open("wb") as val, \
             WorkProgress(f"tokenizing {len(sources.train) + len(sources.val)} files", total,
                          enabled=launcher_rank() == 0) as progress:
         outputs = {"train": train, "val": val}
-        for (split, tokens), (_, _, start, end) in zip(_tokenized(chunks, tokenizer, chunk_bytes, workers), chunks):
+        tokenized = _tokenized(chunks, tokenizer, chunk_bytes, workers, eos_id)
+        for (split, tokens), (_, _, start, end) in zip(tokenized, chunks):
+            if start == 0:  # a file's first chunk: a document starts
+                starts[split].append(written[split])
             tokens.astype(dtype, copy=False).tofile(outputs[split])
+            written[split] += len(tokens)
             progress.advance(end - start)
     if not sources.val:
-        _move_tail(folder / "train.bin", folder / "val.bin", dtype, sources.tail_fraction)
-    return {f"{split}_tokens": (folder / f"{split}.bin").stat().st_size // dtype.itemsize for split in ("train", "val")}
+        cut = _move_tail(folder / "train.bin", folder / "val.bin", dtype, sources.tail_fraction)
+        # The validation tokens start inside a document, or at one: either way at one of theirs.
+        starts = {"train": [s for s in starts["train"] if s < cut],
+                  "val": [0] + [s - cut for s in starts["train"] if s > cut]}
+    for split in ("train", "val"):
+        write_index(folder / f"{split}.idx", starts[split])
+    counts = {f"{split}_tokens": (folder / f"{split}.bin").stat().st_size // dtype.itemsize for split in ("train", "val")}
+    return {**counts, **{f"{split}_documents": len(starts[split]) for split in ("train", "val")}}
 
 
-def _move_tail(train: Path, val: Path, dtype: np.dtype, fraction: float) -> None:
-    """The last `fraction` of train.bin's tokens become val.bin, copied a block at a time."""
+def _move_tail(train: Path, val: Path, dtype: np.dtype, fraction: float) -> int:
+    """The last `fraction` of train.bin's tokens become val.bin, copied a block at a time;
+    returns the token they started at."""
     n = train.stat().st_size // dtype.itemsize
-    cut = (n - max(1, int(n * fraction))) * dtype.itemsize
+    cut = n - max(1, int(n * fraction))
     with train.open("rb") as source, val.open("wb") as target:
-        source.seek(cut)
+        source.seek(cut * dtype.itemsize)
         shutil.copyfileobj(source, target, 1 << 24)
-    os.truncate(train, cut)
+    os.truncate(train, cut * dtype.itemsize)
+    return cut
 
 
-def _tokenized(chunks: list[Chunk], tokenizer: Tokenizer, chunk_bytes: int, workers: int) -> Iterator[tuple[str, np.ndarray]]:
+def _tokenized(chunks: list[Chunk], tokenizer: Tokenizer, chunk_bytes: int, workers: int,
+               eos_id: int | None) -> Iterator[tuple[str, np.ndarray]]:
     """Each chunk's (split, ids), in order. Bytes need no tokenizer work, and a corpus of one
     chunk is not worth starting processes for: both stay in this process."""
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     total = sum(end - start for _, _, start, end in chunks)
     if isinstance(tokenizer, ByteTokenizer) or workers == 1 or total <= chunk_bytes:
         for chunk in chunks:
-            yield _tokenize_chunk(chunk, tokenizer)
+            yield _tokenize_chunk(chunk, tokenizer, eos_id)
         return
     # fork (as torch's DataLoader workers): `python -m ciuic_train` runs its main at
     # import, which spawn would repeat in each worker. The workers are the parallelism,
     # one tokenizer thread each; this also keeps tokenizers from warning about the fork.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer.name, tokenizer.to_str())) as pool:
+    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer.name, tokenizer.to_str(), eos_id)) as pool:
         # At most 2 chunks per worker are read or held at once: memory stays bounded
         # however far the writer lags.
         pending: deque = deque()
@@ -216,21 +246,25 @@ def _tokenized(chunks: list[Chunk], tokenizer: Tokenizer, chunk_bytes: int, work
 
 
 _worker_tokenizer: Tokenizer | None = None
+_worker_eos_id: int | None = None
 
 
-def _start_worker(name: str, json_text: str) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = JsonTokenizer(name, json_text)
+def _start_worker(name: str, json_text: str, eos_id: int | None) -> None:
+    global _worker_tokenizer, _worker_eos_id
+    _worker_tokenizer, _worker_eos_id = JsonTokenizer(name, json_text), eos_id
 
 
 def _work(chunk: Chunk) -> tuple[str, np.ndarray]:
-    return _tokenize_chunk(chunk, _worker_tokenizer)
+    return _tokenize_chunk(chunk, _worker_tokenizer, _worker_eos_id)
 
 
-def _tokenize_chunk(chunk: Chunk, tokenizer: Tokenizer) -> tuple[str, np.ndarray]:
+def _tokenize_chunk(chunk: Chunk, tokenizer: Tokenizer, eos_id: int | None = None) -> tuple[str, np.ndarray]:
+    """A chunk's ids; a file's last chunk ends with `eos_id`, or (None) a blank line."""
     split, path, start, end = chunk
     data = _read_range(path, start, end)
-    if end == path.stat().st_size:
+    last = end == path.stat().st_size
+    if last and eos_id is None:
         data += FILE_SEPARATOR
-    return split, tokenizer.encode_bytes(data)
+    tokens = tokenizer.encode_bytes(data)
+    return split, np.append(tokens, np.asarray(eos_id, dtype=tokens.dtype)) if last and eos_id is not None else tokens
 

@@ -1,6 +1,11 @@
 """Tokenizers: bytes (vocab 256, nothing to install), a Hugging Face tokenizer.json, or a
 byte-level BPE trained on the corpus's training split.
 
+Each has an end-of-text id for `data.eos=true` (`end_of_text_id`): bytes reserve id 256
+(their vocabulary becomes 257), a BPE trains `<|endoftext|>` as its first token (id 0,
+within data.vocab_size), a tokenizer.json names its own (tokenizer_config.json's
+`eos_token` beside it, else a special token of a well-known name).
+
 Only the last two need the `tokenizers` package (the `tokenizers` extra), imported only
 when one is asked for. Text is cut into pieces right after a newline that a non-space
 character follows: a byte-level pre-tokenizer never joins tokens across such a point, so
@@ -38,14 +43,25 @@ MIN_BPE_VOCAB = 257
 # 100 bytes per token, so the text of one call stays small and the ids go to numpy at once.
 PIECE_BYTES = 1 << 20
 _CUT = re.compile(rb"\n(?=\S)")
+# The end-of-text token a BPE trained here gets with data.eos=true (GPT-2's spelling).
+END_OF_TEXT = "<|endoftext|>"
+# The end-of-text tokens a tokenizer.json without a tokenizer_config.json is searched for,
+# most common first: GPT-2/Qwen, Llama 2/Mistral, DeepSeek, Llama 3, Gemma.
+KNOWN_END_OF_TEXT = (END_OF_TEXT, "</s>", "<｜end▁of▁sentence｜>", "<|end_of_text|>", "<eos>")
 
 
 class ByteTokenizer:
-    """Each UTF-8 byte is a token."""
+    """Each UTF-8 byte is a token; with `eos`, id 256 ends each document."""
 
     name = BYTES
-    vocab_size = 256
     dtype = np.uint16
+
+    def __init__(self, eos: bool = False):
+        self.vocab_size = 257 if eos else 256
+        self.eos = eos
+
+    def end_of_text_id(self) -> int:
+        return 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -88,6 +104,28 @@ class JsonTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=False)
 
+    def end_of_text_id(self) -> int:
+        """The id that ends a document: the `eos_token` of a tokenizer_config.json beside
+        the file, else the first special token of `KNOWN_END_OF_TEXT` it has."""
+        config = Path(self.name).expanduser().parent / TOKENIZER_CONFIG_FILE
+        named = None
+        if self.name != BPE and config.is_file():
+            try:
+                named = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            except ValueError as err:
+                raise UserError(f"{config} is not valid JSON: {first_line(err)}") from None
+            named = named.get("content") if isinstance(named, dict) else named
+        vocab = self.inner.get_vocab(with_added_tokens=True)
+        for token in ([named] if named else KNOWN_END_OF_TEXT):
+            if token in vocab:
+                return vocab[token]
+        special = sorted(t.content for t in self.inner.get_added_tokens_decoder().values() if t.special)
+        raise UserError(
+            f"data.eos=true: data.tokenizer={self.name} has no end-of-text token "
+            f"({'its eos_token ' + repr(named) + ' is not in the vocabulary' if named else 'none of ' + ', '.join(KNOWN_END_OF_TEXT)}); "
+            f"its special tokens: {', '.join(special) or 'none'}; give a tokenizer_config.json with eos_token beside it"
+        )
+
     def to_str(self) -> str:
         return self.json_text
 
@@ -119,11 +157,11 @@ def load_tokenizer_file(path: str | Path) -> JsonTokenizer:
     return JsonTokenizer(str(path), file.read_text(encoding="utf-8"))
 
 
-def model_vocab_size(tokenizer: str, bpe_vocab_size: int) -> int | None:
-    """The vocabulary a model needs for `data.tokenizer`; None for bytes, where the
-    model's own (256 in the presets) stands. Cheap: a BPE is not trained for it."""
+def model_vocab_size(tokenizer: str, bpe_vocab_size: int, eos: bool = False) -> int | None:
+    """The vocabulary a model needs for `data.tokenizer`; None for bytes without `eos`, where
+    the model's own (256 in the presets) stands. Cheap: a BPE is not trained for it."""
     if tokenizer == BYTES:
-        return None
+        return ByteTokenizer(eos).vocab_size if eos else None
     if tokenizer == BPE:  # a size too small is data.vocab_size's error (config.validate), not the model's
         return bpe_vocab_size if bpe_vocab_size >= MIN_BPE_VOCAB else None
     return load_tokenizer_file(tokenizer).vocab_size
@@ -147,8 +185,9 @@ def check_model_vocab(model_vocab_size: int, tokenizer: Tokenizer, data_vocab_si
     )
 
 
-def train_bpe(texts: Iterator[str], vocab_size: int) -> JsonTokenizer:
-    """A byte-level BPE of `vocab_size` tokens (fewer if the text has too few pairs to merge).
+def train_bpe(texts: Iterator[str], vocab_size: int, eos: bool = False) -> JsonTokenizer:
+    """A byte-level BPE of `vocab_size` tokens (fewer if the text has too few pairs to merge),
+    with `eos` `END_OF_TEXT` among them as id 0.
 
     The tokenizers trainer has no randomness: the same text gives the same merges.
     """
@@ -159,7 +198,8 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> JsonTokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        special_tokens=[END_OF_TEXT] if eos else [],
     )
     tokenizer.train_from_iterator(texts, trainer)
     return JsonTokenizer(BPE, tokenizer.to_str())

@@ -100,9 +100,9 @@ def checkpoint_activations(block: nn.Module) -> None:
     """
     forward = block.forward
 
-    def recomputed_forward(*args):
+    def recomputed_forward(*args, **kwargs):
         if not torch.is_grad_enabled():
-            return forward(*args)
-        return checkpoint(forward, *args, use_reentrant=False)
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     block.forward = recomputed_forward

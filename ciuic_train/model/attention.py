@@ -12,14 +12,23 @@ from torch import nn
 
 from ciuic_train.model.common import Kernels
 from ciuic_train.model.config import ModelConfig
+from ciuic_train.model.documents import document_causal_mask
 from ciuic_train.model.norm import RMSNorm
 from ciuic_train.model.rope import apply_rope
 from ciuic_train.model.yarn import yarn_softmax_correction
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale, causally masked) v for q, k [B, H, T, d_qk] and v [B, H, T, d_v]."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale, causally masked) v for q, k [B, H, T, d_qk] and v [B, H, T, d_v].
+
+    With `docs` [B, T] (each position's document, `model/documents.py`) a query sees only
+    the keys of its own document.
+    """
+    if docs is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(docs), scale=scale)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -55,7 +64,9 @@ class MultiHeadLatentAttention(nn.Module):
         )
         self.wo = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape  # x: [B, T, dim]
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.compress_q else self.wq(x)
         q = q.view(batch, seq, self.n_heads, self.qk_head_dim).transpose(1, 2)  # [B, H, T, d_qk]
@@ -70,5 +81,5 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)  # [B, H, T, d_qk]
 
-        y = self.attention(q, k, v, self.softmax_scale)  # [B, H, T, d_v]
+        y = self.attention(q, k, v, self.softmax_scale, docs)  # [B, H, T, d_v]
         return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.v_head_dim))

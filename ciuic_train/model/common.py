@@ -23,7 +23,7 @@ class Kernels:
     """The functions a model computes its four costliest parts with (see model/transformer.py)."""
 
     rms_norm: Callable  # (x, weight, eps) -> x normalised
-    attention: Callable  # (q, k, v, scale) -> causal attention
+    attention: Callable  # (q, k, v, scale, docs or None) -> causal attention (within documents)
     routed_experts: Callable  # (expert-sorted x, counts per expert, w13, w2) -> SwiGLU per expert
     loss: Callable  # (h [N, dim], lm head weight, targets [N], reduction) -> fp32 cross-entropy
 

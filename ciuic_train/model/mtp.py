@@ -33,7 +33,8 @@ class MultiTokenPrediction(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
 
     def forward(
-        self, h: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, h: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        docs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, T', dim] of the previous depth and the embeddings of the tokens k ahead [B, T', dim]
         -> this depth's hidden states for the next depth, and normalised for the head (both [B, T', dim]).
@@ -42,5 +43,5 @@ class MultiTokenPrediction(nn.Module):
         forward only, finds `norm`'s gathered too.
         """
         joined = torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)
-        h = self.block(self.eh_proj(joined), cos, sin)
+        h = self.block(self.eh_proj(joined), cos, sin, docs=docs)
         return h, self.norm(h)

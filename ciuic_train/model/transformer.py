@@ -156,8 +156,14 @@ class Transformer(nn.Module):
         targets: torch.Tensor | None = None,
         reduction: str = "mean",
         mtp_loss_weight: float = 0.0,
+        docs: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab], or with `targets` [B, T] the fp32 cross-entropy ("mean" or "sum").
+
+        `docs` [B, T], each position's document in its window, keeps attention inside
+        documents; `positions` [B, T] are the positions RoPE rotates by (default 0 .. T-1
+        in every row; `model/documents.py`).
 
         The loss goes through forward so that DDP and FSDP see it. Targets equal to
         `IGNORE_INDEX` (-100) are ignored, as in `F.cross_entropy`. In training, the
@@ -165,14 +171,15 @@ class Transformer(nn.Module):
         mean MTP loss join the gradient; the value returned stays the next-token loss, so it
         compares across runs with and without them (`loss_figures` gives the others).
         """
-        h = self.norm(self.trunk(idx))  # [B, T, dim]
+        h = self.norm(self.trunk(idx, docs, positions))  # [B, T, dim]
         if targets is None:
             return self.lm_head(h)
-        return self.head_loss(h, idx, targets, reduction, mtp_loss_weight, list(self.layers))
+        return self.head_loss(h, idx, targets, reduction, mtp_loss_weight, list(self.layers), docs, positions)
 
     def head_loss(
         self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, reduction: str,
-        mtp_loss_weight: float, blocks: list[Block],
+        mtp_loss_weight: float, blocks: list[Block], docs: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss of the normalised output h [B, T, dim] (see forward); in training with the
         gradients of the balance losses of `blocks`' MoE layers and of the MTP depths joined.
@@ -187,26 +194,30 @@ class Transformer(nn.Module):
             return loss
         extra = balance_terms(blocks)
         if self.mtp and mtp_loss_weight:
-            self.mtp_loss = self.multi_token_loss(h, idx, targets, reduction)
+            self.mtp_loss = self.multi_token_loss(h, idx, targets, reduction, docs, positions)
             extra.append(mtp_loss_weight * self.mtp_loss)
             extra += balance_terms([depth.block for depth in self.mtp])
         return with_gradient_of(loss, extra)
 
     def multi_token_loss(
-        self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, reduction: str
+        self, h: torch.Tensor, idx: torch.Tensor, targets: torch.Tensor, reduction: str,
+        docs: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The mean over MTP depths of each depth's loss, from the main model's output h [B, T, dim].
 
         Depth k sees positions 0 .. T-k-1 (a position needs the token k ahead as input and
         the one k+1 ahead as target): h of the previous depth there (the main model's
         normalised output for k = 1, as inference engines feed DeepSeek's MTP weights),
-        the tokens idx[:, k:], the targets targets[:, k:].
+        the tokens idx[:, k:], the targets targets[:, k:]; the documents and positions are
+        h's, docs[:, :T-k] and positions[:, :T-k].
         """
         seq = idx.shape[1]
         losses = []
         for k, depth in enumerate(self.mtp, start=1):
-            cos, sin = self.rope_cos[: seq - k], self.rope_sin[: seq - k]
-            h, normed = depth(h[:, : seq - k], self.tok_embeddings(idx[:, k:]), cos, sin)
+            cut = slice(0, seq - k)
+            cos, sin = self.rope_at(seq - k, positions[:, cut] if positions is not None else None)
+            depth_docs = docs[:, cut] if docs is not None else None
+            h, normed = depth(h[:, cut], self.tok_embeddings(idx[:, k:]), cos, sin, docs=depth_docs)
             losses.append(self.kernels.loss(normed.flatten(0, 1), self.lm_head.weight, targets[:, k:].flatten(), reduction))
         return torch.stack(losses).mean()
 
@@ -216,17 +227,26 @@ class Transformer(nn.Module):
         tensors, left on the device for the step's one sync."""
         return side_loss_figures(self.blocks(), self.mtp_loss)
 
-    def trunk(self, idx: torch.Tensor) -> torch.Tensor:
+    def rope_at(self, seq: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin tables for positions 0 .. seq-1 ([seq, d/2]), or for `positions`
+        [B, seq] ([B, 1, seq, d/2]: one row per window, broadcast over the heads)."""
+        if positions is None:
+            return self.rope_cos[:seq], self.rope_sin[:seq]
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
+    def trunk(
+        self, idx: torch.Tensor, docs: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token ids [B, T] -> the last block's hidden states [B, T, dim] (before the final norm)."""
         seq = idx.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {seq} exceeds model.max_seq_len={self.config.max_seq_len}"
             )
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope_at(seq, positions)
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, docs=docs)
         return x
 
     def blocks(self) -> list[Block]:

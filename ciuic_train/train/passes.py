@@ -15,6 +15,10 @@ through torch's schedules, behind the same methods:
 - `holds_loss`: whether this rank computes the loss (a pipeline: its last stage's);
 - `full_batches`: whether every evaluation batch must be `train.batch_size` windows
   (a pipeline's stages are built for one micro-batch shape).
+
+With `data.doc_mask` the trainer hands `train`, `eval_sum` and `loss` the batch's
+documents as keywords (`docs`, `positions`: `sampler.window_documents`), which go to the
+model's forward; a pipeline is refused them (`config._validate_documents`).
 """
 
 from __future__ import annotations
@@ -44,23 +48,24 @@ class ModelPasses:
         self.parallel, self.config, self.tricks = parallel, config, tricks
         self.autocast = autocast or nullcontext()
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+             **documents: torch.Tensor) -> torch.Tensor:
         # The model computes the fp32 cross-entropy itself (see its forward).
         with self.autocast:
             return self.wrapped_model(
-                inputs, targets, reduction=reduction, mtp_loss_weight=self.config.train.mtp_loss_weight
+                inputs, targets, reduction=reduction, mtp_loss_weight=self.config.train.mtp_loss_weight, **documents
             )
 
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float, step: int,
-              sync: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              sync: bool, **documents: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with grad_sync(self.wrapped_model, self.parallel.strategy, enabled=sync):
-            loss = self.tricks.transform_loss(self.loss(inputs, targets), step)
+            loss = self.tricks.transform_loss(self.loss(inputs, targets, **documents), step)
             loss = poison_loss(self.config.fault, self.parallel.info.rank, step + 1, loss)
             (loss * weight).backward()
         return loss.detach(), self.model.loss_figures()
 
-    def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss(inputs, targets, reduction="sum")
+    def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor, **documents: torch.Tensor) -> torch.Tensor:
+        return self.loss(inputs, targets, reduction="sum", **documents)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(list(self.model.parameters()), max_norm)

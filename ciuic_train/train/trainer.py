@@ -52,7 +52,7 @@ from ciuic_train.checkpoint.resume import (
 )
 from ciuic_train.config import Config, OnNonFinite, Precision
 from ciuic_train.data.corpus import load_tokens, unigram_entropy
-from ciuic_train.data.sampler import WindowSampler, eval_indices, get_batch, n_windows
+from ciuic_train.data.sampler import WindowSampler, eval_indices, get_batch, n_windows, window_documents
 from ciuic_train.data.tokenizer import check_model_vocab, save_tokenizer
 from ciuic_train.distributed.grads import average_gradients_with_consistency
 from ciuic_train.distributed.materialize import local_rows
@@ -211,12 +211,16 @@ class Trainer:
         log.info(f"resumed from {path} at step {self.step}; peak memory of this rank so far "
                  f"{format_bytes(peak_memory_bytes(self.device))}")
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return self.passes.loss(inputs, targets, reduction)
-
     def _batch(self, indices: torch.Tensor, split) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = get_batch(split, indices, self.config.train.seq_len)
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+
+    def _documents(self, indices: torch.Tensor, index) -> dict[str, torch.Tensor]:
+        """With data.doc_mask, the model's document keywords for the windows (else none)."""
+        if not self.config.data.doc_mask:
+            return {}
+        extra = window_documents(index, indices, self.config.train.seq_len, self.config.data.doc_positions)
+        return {name: value.to(self.device, non_blocking=True) for name, value in extra.items()}
 
     def train_step(self, stop: StopRequest | None = None) -> dict[str, Any]:
         """One optimizer step over `grad_accum` micro-batches; returns its figures, the
@@ -242,9 +246,11 @@ class Trainer:
         measure_consistency = train.log_grad_consistency and self.cadence.logs(self.step + 1, False, False)
         for i, weight in enumerate(weights):
             with self.step_times.fetching_data():
-                inputs, targets = self._batch(self.sampler.next_indices(train.batch_size), self.data.train)
+                indices = self.sampler.next_indices(train.batch_size)
+                inputs, targets = self._batch(indices, self.data.train)
+                documents = self._documents(indices, self.data.train_docs)
             sync = i == len(weights) - 1 and not measure_consistency
-            loss, side_figures = self.passes.train(inputs, targets, weight, self.step, sync)
+            loss, side_figures = self.passes.train(inputs, targets, weight, self.step, sync, **documents)
             loss_sum += loss.double() * weight
             for name, value in side_figures.items():  # MTP and balance losses, where on
                 side_sums[name] = side_sums.get(name, 0.0) + value.double() * weight
@@ -300,10 +306,12 @@ class Trainer:
             # A rank with fewer windows joins the collectives with rows that count for nothing,
             # as many as the layout needs (a pipeline's stages: whole batches).
             fill = batch_size - len(windows) if self.passes.full_batches else int(not len(windows))
-            inputs, targets = self._batch(torch.cat([windows, self.val_filler.repeat(fill)]), self.data.val)
+            indices = torch.cat([windows, self.val_filler.repeat(fill)])
+            inputs, targets = self._batch(indices, self.data.val)
+            documents = self._documents(indices, self.data.val_docs)
             if fill:
                 targets[len(windows):] = IGNORE_INDEX
-            totals[0] += self.passes.eval_sum(inputs, targets).double()
+            totals[0] += self.passes.eval_sum(inputs, targets, **documents).double()
             totals[1] += (targets != IGNORE_INDEX).sum() if self.passes.holds_loss else 0
         self.wrapped_model.train(was_training)
         self.parallel.all_reduce_sum_(totals)
