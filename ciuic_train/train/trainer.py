@@ -211,6 +211,9 @@ class Trainer:
         log.info(f"resumed from {path} at step {self.step}; peak memory of this rank so far "
                  f"{format_bytes(peak_memory_bytes(self.device))}")
 
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return self.passes.loss(inputs, targets, reduction)
+
     def _batch(self, indices: torch.Tensor, split) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = get_batch(split, indices, self.config.train.seq_len)
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
