@@ -58,7 +58,6 @@ class ByteTokenizer:
 
     def __init__(self, eos: bool = False):
         self.vocab_size = 257 if eos else 256
-        self.eos = eos
 
     def end_of_text_id(self) -> int:
         return 256
