@@ -15,10 +15,11 @@ from typing import Any, Dict, List
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from ciuic_train.data.checks import validate_data
 from ciuic_train.errors import UserError
 from ciuic_train.model.config import ModelConfig
 from ciuic_train.train.trackers import check_loggers
-from ciuic_train.tricks import check_tricks
+from ciuic_train.tricks import check_tricks, seam_owner
 
 
 class Device(Enum):
@@ -137,6 +138,21 @@ class DataConfig:
     doc_mask: bool = False
     # With doc_mask: the positions RoPE rotates by restart at 0 at each document start.
     doc_positions: bool = False
+    # data=hf (the `hf` extra), each row's text_field a document: dataset is a builder
+    # (parquet, json, csv, text, arrow) reading data_files (a path or glob, a list, or a
+    # mapping from split to files), a local dataset folder, or a hub id (subset: its config).
+    dataset: str = ""
+    subset: str = ""
+    data_files: Any = None
+    split: str = "train"
+    # The validation split; empty: the rows whose text hashes below val_fraction.
+    val_split: str = ""
+    text_field: str = "text"
+    # Each rank tokenizes its share of the rows as it trains (nothing cached); the position
+    # in the stream is saved in checkpoints. With shuffle, windows are drawn at random
+    # from a pool of shuffle_windows.
+    streaming: bool = False
+    shuffle_windows: int = 256
 
 
 @dataclass
@@ -357,43 +373,6 @@ def to_config(cfg: DictConfig) -> Config:
     return config
 
 
-def _validate_tokenizer(data: DataConfig) -> None:
-    if not data.tokenizer:
-        raise UserError("data.tokenizer must be bytes, bpe or a path to a tokenizer.json")
-    if data.tokenizer == "bpe":
-        if data.vocab_size < 257:
-            raise UserError(
-                f"data.tokenizer=bpe needs data.vocab_size=N of at least 257 (the 256 bytes plus merges), "
-                f"not {data.vocab_size}"
-            )
-        if data.name == "tokens":
-            raise UserError(
-                "data=tokens is already tokenized, data.tokenizer=bpe trains on text; "
-                "give data.tokenizer=PATH/tokenizer.json to decode its samples"
-            )
-    elif data.vocab_size:
-        raise UserError(f"data.vocab_size={data.vocab_size} is for data.tokenizer=bpe only (not {data.tokenizer})")
-    if data.dtype not in ("", "uint16", "uint32"):
-        raise UserError(f"data.dtype={data.dtype!r} is not one of: uint16, uint32 (or empty: as recorded)")
-    if data.workers < 0:
-        raise UserError(f"data.workers={data.workers} must be 0 (one per CPU) or more")
-    if data.chunk_mb <= 0:
-        raise UserError(f"data.chunk_mb={data.chunk_mb} must be positive")
-
-
-def _validate_documents(config: Config) -> None:
-    data = config.data
-    if data.doc_positions and not data.doc_mask:
-        raise UserError("data.doc_positions=true restarts positions per document: it needs data.doc_mask=true")
-    if data.eos and data.name == "tokens":
-        raise UserError("data.eos=true ends documents while tokenizing text; data=tokens is already tokenized")
-    if data.doc_mask and config.dist.pp > 1:
-        raise UserError(
-            f"data.doc_mask=true does not run in a pipeline yet (dist.pp={config.dist.pp}); "
-            "set dist.pp=1 or data.doc_mask=false"
-        )
-
-
 def _validate_profile(profile: ProfileConfig, max_steps: int) -> None:
     for key in ("wait", "warmup", "repeat", "top"):
         if getattr(profile, key) < 0:
@@ -445,14 +424,7 @@ def validate(config: Config) -> None:
             f"train.seq_len={train.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"
         )
     _validate_profile(config.profile, train.max_steps)
-    if not 0.0 < config.data.val_fraction < 1.0:
-        raise UserError(f"data.val_fraction={config.data.val_fraction} must be between 0 and 1")
-    if config.data.name not in ("stdlib", "text", "tokens"):
-        raise UserError(f"data.name={config.data.name!r} is not one of: stdlib, text, tokens")
-    if config.data.name in ("text", "tokens") and not config.data.path:
-        raise UserError(f"data={config.data.name} needs data.path=FILE, FOLDER or GLOB")
-    _validate_tokenizer(config.data)
-    _validate_documents(config)
+    validate_data(config.data, config.dist.pp, seam_owner(config.trick, "order_indices"))
     if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
         raise UserError(f"optim.min_lr_ratio={config.optim.min_lr_ratio} must be between 0 and 1")
     fractions = config.optim.step_fractions

@@ -132,6 +132,6 @@ def test_init_from_loads_by_shard_within_the_limit_and_starts_where_one_process_
     (tmp_path / "reference").mkdir()  # Hydra makes it for the CLI
     trainer = Trainer(config, tmp_path / "reference")
     with torch.no_grad():
-        batch = trainer._batch(trainer.sampler.next_indices(8), trainer.data.train)
+        batch = trainer._batch(trainer.windows.sampler.next_indices(8), trainer.data.train)
         loss = trainer._loss(*batch).item()
     assert sharded_first_loss == pytest.approx(loss, rel=1e-5)

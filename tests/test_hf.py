@@ -131,7 +131,7 @@ def test_a_run_started_from_the_export_takes_its_first_step_from_those_weights(e
     for (name, ours), theirs in zip(trainer.model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(ours, theirs), name
     # The batch its first step takes, and the exported model's loss on it in transformers.
-    first = WindowSampler(trainer.sampler.n_windows, trainer.config.seed).next_indices(BATCH)
+    first = WindowSampler(trainer.windows.sampler.n_windows, trainer.config.seed).next_indices(BATCH)
     inputs, targets = trainer._batch(first, trainer.data.train)
     twin, _, _ = load_transformers(folder, caplog)
     with torch.no_grad():
@@ -289,7 +289,7 @@ def test_init_from_under_two_rank_fsdp_gives_the_same_first_loss(plain, tmp_path
     twin, _, _ = load_transformers(folder, caplog)
     losses = []
     for rank in range(2):
-        first = WindowSampler(trainer.sampler.n_windows, trainer.config.seed, rank, 2).next_indices(BATCH)
+        first = WindowSampler(trainer.windows.sampler.n_windows, trainer.config.seed, rank, 2).next_indices(BATCH)
         inputs, targets = trainer._batch(first, trainer.data.train)
         with torch.no_grad():
             losses.append(F.cross_entropy(twin(inputs).logits.flatten(0, 1), targets.flatten()).item())

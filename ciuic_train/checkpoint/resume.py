@@ -113,6 +113,9 @@ def _check_reshardable(meta: dict[str, Any], world_size: int) -> None:
     data = meta.get("data")
     if data is None:
         raise UserError(f"{written}: it predates resharding (no data position); resume on {data_world(meta)} ranks")
+    if data.get("stream"):
+        raise UserError(f"{written}: each rank's position in its share of a data=hf stream is its own and "
+                        f"cannot be split anew; resume on {data_world(meta)} ranks")
     if data["windows"] % world_size:
         raise UserError(
             f"{written}: the {data['windows']} windows consumed in its epoch do not split evenly over "

@@ -5,7 +5,9 @@ flat token ids (uint16, or uint32 for a vocabulary beyond 65,536, as `tokens.jso
 beside them says). `data=tokens` is already that (or shards `train_*.bin`, `val_*.bin`,
 read as one stream: `shards.py`), and is opened where it is; text
 (`data=stdlib`, `data=text`) is tokenized once into the cache (`token_cache.py`) and
-opened there. Beside each `.bin` an `.idx` may say where its documents start
+opened there; so is a Hugging Face dataset's rows (`data=hf`, `hf_dataset.py`), unless
+streamed: then the training split is a `stream.StreamedSplit`, read as it trains, and only
+validation is ids here. Beside each `.bin` an `.idx` may say where its documents start
 (`documents.py`): the cache writes them, `data=tokens` reads them where they are, and
 `data.doc_mask=true` needs them. Which files make a corpus is `sources.py`'s; how windows
 are drawn from the ids, `sampler.py`'s.
@@ -23,8 +25,10 @@ import numpy as np
 
 from ciuic_train.config import DataConfig
 from ciuic_train.data.documents import DocumentIndex, index_path
+from ciuic_train.data.hf_dataset import DatasetRows
 from ciuic_train.data.shards import TokenShards
 from ciuic_train.data.sources import Sources, find_sources
+from ciuic_train.data.stream import StreamedSplit, read_validation
 from ciuic_train.data.token_cache import cache_entry
 from ciuic_train.data.tokenizer import (
     BYTES,
@@ -52,9 +56,24 @@ class TokenSplits:
     train_docs: DocumentIndex | None = None
     val_docs: DocumentIndex | None = None
 
+    def streamed(self) -> bool:
+        return isinstance(self.train, StreamedSplit)
 
-def load_tokens(cfg: DataConfig) -> TokenSplits:
-    """Token splits for the configured corpus, tokenizing and caching text on first use."""
+    def size(self) -> str:
+        train = "streamed" if self.streamed() else f"{len(self.train):,}"
+        return f"{train} train / {len(self.val):,} val tokens"
+
+    def whole_split(self) -> np.ndarray:
+        """The split a statistic over every token reads: the training split, or of a
+        stream (read once, never whole), the validation tokens."""
+        return self.val if self.streamed() else self.train
+
+
+def load_tokens(cfg: DataConfig, stream_val_tokens: int = 2**16) -> TokenSplits:
+    """Token splits for the configured corpus, tokenizing and caching text on first use;
+    of a stream, the validation split's first `stream_val_tokens`."""
+    if cfg.name == "hf":  # its cache entries and streams always know their documents
+        return _load_dataset(cfg, stream_val_tokens)
     sources = find_sources(cfg)
     if sources.kind == "tokens":
         splits = _load_pretokenized(cfg, sources)
@@ -65,22 +84,37 @@ def load_tokens(cfg: DataConfig) -> TokenSplits:
     return splits
 
 
-def _load_cached(cfg: DataConfig, sources: Sources) -> TokenSplits:
-    """Text (data=stdlib, data=text): its cache entry, tokenized first unless it is there."""
+def _load_dataset(cfg: DataConfig, stream_val_tokens: int) -> TokenSplits:
+    """data=hf: rows tokenized into the cache once, or streamed (then only the validation
+    tokens are read here, a fixed head of them: `stream.read_validation`)."""
+    if not cfg.streaming:
+        rows = DatasetRows.load(cfg)
+        return _load_cached(cfg, rows, f"{cfg.dataset} ({rows.n_rows():,} rows")
+    tokenizer = ByteTokenizer(cfg.eos) if cfg.tokenizer == BYTES else load_tokenizer_file(cfg.tokenizer)
+    train = StreamedSplit(cfg, tokenizer, validation=False)
+    val, val_docs = read_validation(StreamedSplit(cfg, tokenizer, validation=True), stream_val_tokens)
+    what = "bytes" if cfg.tokenizer == BYTES else f"{cfg.tokenizer}, {tokenizer.vocab_size:,} tokens"
+    return TokenSplits(train, val, tokenizer.vocab_size, f"{cfg.dataset} (streamed, {what})", tokenizer, None, val_docs)
+
+
+def _load_cached(cfg: DataConfig, sources: Sources | DatasetRows, origin: str = "") -> TokenSplits:
+    """Text (data=stdlib, data=text) or a dataset's rows: its cache entry, tokenized
+    first unless it is there. `origin`: the description's start, with its count open."""
     folder = cache_entry(sources, cfg)
     if cfg.tokenizer != BYTES:
         tokenizer = JsonTokenizer(cfg.tokenizer, (folder / TOKENIZER_FILE).read_text(encoding="utf-8"))
     else:
         tokenizer = ByteTokenizer(cfg.eos)
     dtype = read_token_meta(folder).get("dtype", "uint16")  # entries before tokens.json were bytes in uint16
-    n_files = len(sources.train) + len(sources.val)
-    origin = f"python {sys.version.split()[0]} stdlib" if sources.kind == "stdlib" else cfg.path
+    if not origin:
+        where = f"python {sys.version.split()[0]} stdlib" if sources.kind == "stdlib" else cfg.path
+        origin = f"{where} ({len(sources.train) + len(sources.val)} files"
     what = "bytes" if cfg.tokenizer == BYTES else f"{cfg.tokenizer}, {tokenizer.vocab_size:,} tokens"
     if cfg.eos:
         what += f", documents end with id {tokenizer.end_of_text_id()}"
     train, val = _open_bin(folder / "train.bin", dtype), _open_bin(folder / "val.bin", dtype)
     return TokenSplits(
-        train, val, tokenizer.vocab_size, f"{origin} ({n_files} files, {what})", tokenizer,
+        train, val, tokenizer.vocab_size, f"{origin}, {what})", tokenizer,
         DocumentIndex.beside([folder / "train.bin"], [len(train)]),
         DocumentIndex.beside([folder / "val.bin"], [len(val)]),
     )

@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ciuic_train.config import DataConfig
 from ciuic_train.data.documents import DocumentIndex
+from ciuic_train.data.stream import StreamedSplit, StreamWindows
 from ciuic_train.errors import UserError
 from ciuic_train.model.documents import document_positions
 
@@ -78,6 +80,44 @@ class WindowSampler:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self._share = self._epoch_share()
+
+
+class SampledWindows:
+    """This rank's training batches from a token split it can read anywhere (a memmap,
+    shards): the sampler's windows, cut from the split, with their documents where
+    data.doc_mask asks. `stream.StreamWindows` offers the same methods for a stream."""
+
+    def __init__(self, tokens: np.ndarray, index: DocumentIndex | None, seq_len: int, sampler: WindowSampler,
+                 documents: bool = False, restart_positions: bool = False):
+        self.tokens, self.index, self.seq_len, self.sampler = tokens, index, seq_len, sampler
+        self.documents, self.restart_positions = documents, restart_positions
+
+    def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        indices = self.sampler.next_indices(batch_size)
+        inputs, targets = get_batch(self.tokens, indices, self.seq_len)
+        extra = window_documents(self.index, indices, self.seq_len, self.restart_positions) if self.documents else {}
+        return inputs, targets, extra
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+    def global_position(self) -> dict:
+        return self.sampler.global_position()
+
+    def share_of(self, global_position: dict) -> dict:
+        return self.sampler.share_of(global_position)
+
+
+def train_windows(splits, data: DataConfig, seq_len: int, seed: int, rank: int, world: int, order=None):
+    """This rank's training batches of `splits` (`corpus.TokenSplits`): sampled from its
+    token split, or cut from its stream."""
+    if isinstance(splits.train, StreamedSplit):
+        return StreamWindows(splits.train, seq_len, seed, rank, world, data)
+    sampler = WindowSampler(n_windows(splits.train, seq_len), seed, rank, world, order=order, shuffle=data.shuffle)
+    return SampledWindows(splits.train, splits.train_docs, seq_len, sampler, data.doc_mask, data.doc_positions)
 
 
 def n_windows(tokens: np.ndarray, seq_len: int) -> int:

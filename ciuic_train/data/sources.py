@@ -1,4 +1,5 @@
-"""The files a corpus is made of: `data=stdlib` (the default), `data=text`, `data=tokens`.
+"""The files a corpus is made of: `data=stdlib` (the default), `data=text`, `data=tokens`
+(`data=hf` is a dataset's rows: checked here, read by `hf_dataset.py`).
 
 `find_sources` turns the data config into files split into train and validation, and
 fails in one line on a corpus that is not there (or a tokenizer that is not), which the
@@ -78,6 +79,11 @@ def find_sources(cfg: DataConfig) -> Sources:
         if not files:
             raise UserError(f"data.path={cfg.path} holds only empty files")
         return _split_by_file("text", files, root, cfg.val_fraction)
+    if cfg.name == "hf":
+        from ciuic_train.data.hf_dataset import check_dataset
+
+        check_dataset(cfg)
+        return Sources("hf", [], [])
     if cfg.name == "tokens":
         path = Path(cfg.path).expanduser()
         if path.is_dir():
@@ -85,7 +91,7 @@ def find_sources(cfg: DataConfig) -> Sources:
         if path.is_file():
             return Sources("tokens", [path], [], tail_fraction=cfg.val_fraction)
         raise UserError(f"data.path={cfg.path} does not exist (expected a folder with train.bin/val.bin or a .bin file)")
-    raise UserError(f"data.name={cfg.name!r} is not one of: stdlib, text, tokens")
+    raise UserError(f"data.name={cfg.name!r} is not one of: stdlib, text, tokens, hf")
 
 
 def _stdlib_sources(root: Path) -> list[Path]:

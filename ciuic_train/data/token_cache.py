@@ -5,14 +5,15 @@ or uint32 as `tokens.json` beside them says, the tokenizer.json that made them, 
 each file's tokens start: `train.idx`, `val.idx`, `documents.py`). Its name is a key made
 of the source files' names, sizes and modification times, of the tokenizer (bytes, a
 tokenizer.json, or a BPE trained here on the training split) and of `data.eos`, so a
-second run with the same sources starts at once.
+second run with the same sources starts at once. A Hugging Face dataset's rows
+(`hf_dataset.DatasetRows`) are cached the same way, keyed by the dataset's fingerprint.
 
-A file is a document: it ends with the tokenizer's end-of-text id under `data.eos=true`,
+A file (a dataset's row) is a document: it ends with the tokenizer's end-of-text id under `data.eos=true`,
 else with a blank line, as before there were documents (the same tokens: only the key's
 version changed, for the index, so entries made before it are tokenized once again).
 
-Tokenizing streams: files, cut into chunks of `data.chunk_mb` at newlines, go to worker
-processes and their ids are appended to the token files in order, so memory stays
+Tokenizing streams: files, cut into chunks of `data.chunk_mb` at newlines (rows, a
+batch at a time), go to worker processes and their ids are appended to the token files in order, so memory stays
 bounded whatever the corpus size. An entry is built in a temporary folder renamed into
 place when complete, under a lock on the cache: one process tokenizes (one per node
 without a shared filesystem), the others wait for it and then read its entry.
@@ -37,6 +38,7 @@ import numpy as np
 
 from ciuic_train.config import DataConfig
 from ciuic_train.data.documents import write_index
+from ciuic_train.data.hf_dataset import DatasetRows
 from ciuic_train.data.sources import Sources
 from ciuic_train.data.tokenizer import (
     BPE,
@@ -64,8 +66,9 @@ def default_cache_dir() -> Path:
     return Path(base) / "ciuic-train"
 
 
-def cache_entry(sources: Sources, cfg: DataConfig) -> Path:
-    """The cache folder holding `sources` tokenized as `cfg` says, built first unless it is there."""
+def cache_entry(sources: Sources | DatasetRows, cfg: DataConfig) -> Path:
+    """The cache folder holding `sources` (text files, or a dataset's rows) tokenized as
+    `cfg` says, built first unless it is there."""
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     tokenizer = None if cfg.tokenizer in (BYTES, BPE) else load_tokenizer_file(cfg.tokenizer)
     suffix = f"-tok{tokenizer.fingerprint()}" if tokenizer else {BYTES: "", BPE: f"-bpe{cfg.vocab_size}"}[cfg.tokenizer]
@@ -73,7 +76,8 @@ def cache_entry(sources: Sources, cfg: DataConfig) -> Path:
         suffix += "-eos"
         if tokenizer is not None:
             tokenizer.end_of_text_id()  # a tokenizer.json without one fails here, before any work
-    folder = cache / f"{sources.kind}-{_sources_key(sources)}{suffix}"
+    key = _sources_key(sources) if isinstance(sources, Sources) else sources.cache_key()
+    folder = cache / f"{sources.kind}-{key}{suffix}"
     if not _complete(folder):
         with _cache_lock(folder):
             if not _complete(folder):
@@ -116,7 +120,7 @@ def _sources_key(sources: Sources) -> str:
     return h.hexdigest()[:16]
 
 
-def _build_entry(sources: Sources, cfg: DataConfig, folder: Path, tokenizer: Tokenizer) -> None:
+def _build_entry(sources: Sources | DatasetRows, cfg: DataConfig, folder: Path, tokenizer: Tokenizer) -> None:
     """Tokenize the sources into a new folder (training the BPE first if asked), renamed
     to `folder` once complete."""
     chunk_bytes = max(1, int(cfg.chunk_mb * 2**20))
@@ -126,8 +130,10 @@ def _build_entry(sources: Sources, cfg: DataConfig, folder: Path, tokenizer: Tok
     try:
         if cfg.tokenizer == BPE:
             if launcher_rank() == 0:
-                log.info(f"training a byte-level BPE of {cfg.vocab_size} tokens on {len(sources.train)} files")
-            tokenizer = train_bpe(_texts(sources.train, chunk_bytes), cfg.vocab_size, cfg.eos)
+                what = f"{len(sources.train)} files" if isinstance(sources, Sources) else f"the rows of {cfg.dataset}"
+                log.info(f"training a byte-level BPE of {cfg.vocab_size} tokens on {what}")
+            texts = _texts(sources.train, chunk_bytes) if isinstance(sources, Sources) else sources.texts()
+            tokenizer = train_bpe(texts, cfg.vocab_size, cfg.eos)
         if tokenizer.to_str() is not None:
             (tmp / TOKENIZER_FILE).write_text(tokenizer.to_str(), encoding="utf-8")
         eos_id = tokenizer.end_of_text_id() if cfg.eos else None
@@ -174,28 +180,58 @@ def _chunks(sources: Sources, chunk_bytes: int) -> list[Chunk]:
     ]
 
 
-def _write_tokens(sources: Sources, tokenizer: Tokenizer, folder: Path, chunk_bytes: int, workers: int,
-                  eos_id: int | None = None) -> dict[str, int]:
-    """Append each chunk's ids to train.bin / val.bin in order, and each file's first
-    token's offset to train.idx / val.idx; a missing val split is the tail of the training
-    tokens. Returns the token and document counts."""
+# (split, ids, whether a document starts with them, work done: bytes or rows)
+Piece = tuple[str, np.ndarray, bool, int]
+
+
+def _file_pieces(sources: Sources, tokenizer: Tokenizer, chunk_bytes: int, workers: int,
+                 eos_id: int | None) -> tuple[Iterator[Piece], int, str]:
+    """A text corpus's pieces: each chunk of each file, a document starting at a file's
+    first; with the work's total (bytes) and its name."""
     chunks = _chunks(sources, chunk_bytes)
-    dtype = np.dtype(tokenizer.dtype)
     total = sum(end - start for _, _, start, end in chunks)
+    in_process = isinstance(tokenizer, ByteTokenizer) or total <= chunk_bytes
+    tokenized = _in_order(_work, chunks, tokenizer, workers, eos_id, in_process)
+    pieces = ((split, tokens, start == 0, end - start) for (split, tokens), (_, _, start, end) in zip(tokenized, chunks))
+    return pieces, total, f"tokenizing {len(sources.train) + len(sources.val)} files"
+
+
+def _row_pieces(rows: DatasetRows, tokenizer: Tokenizer, workers: int,
+                eos_id: int | None) -> tuple[Iterator[Piece], int, str]:
+    """A dataset's pieces: each row a document."""
+    in_process = isinstance(tokenizer, ByteTokenizer)
+    tokenized = _in_order(_work_rows, rows.batches(), tokenizer, workers, eos_id, in_process)
+    pieces = ((split, ids, True, 1) for split, batch in tokenized for ids in batch)
+    return pieces, rows.n_rows(), f"tokenizing {rows.n_rows():,} rows of {rows.cfg.dataset}"
+
+
+def _write_tokens(sources: Sources | DatasetRows, tokenizer: Tokenizer, folder: Path, chunk_bytes: int, workers: int,
+                  eos_id: int | None = None) -> dict[str, int]:
+    """Append each piece's ids to train.bin / val.bin in order, and each document's first
+    token's offset to train.idx / val.idx; a split left empty is the tail of the training
+    tokens (the training split is never left empty: the validation rows become it).
+    Returns the token and document counts."""
+    if isinstance(sources, Sources):
+        pieces, total, what = _file_pieces(sources, tokenizer, chunk_bytes, workers, eos_id)
+    else:
+        pieces, total, what = _row_pieces(sources, tokenizer, workers, eos_id)
+    dtype = np.dtype(tokenizer.dtype)
     written = {"train": 0, "val": 0}
     starts: dict[str, list[int]] = {"train": [], "val": []}
     with (folder / "train.bin").open("wb") as train, (folder / "val.bin").open("wb") as val, \
-            WorkProgress(f"tokenizing {len(sources.train) + len(sources.val)} files", total,
-                         enabled=launcher_rank() == 0) as progress:
+            WorkProgress(what, total, enabled=launcher_rank() == 0) as progress:
         outputs = {"train": train, "val": val}
-        tokenized = _tokenized(chunks, tokenizer, chunk_bytes, workers, eos_id)
-        for (split, tokens), (_, _, start, end) in zip(tokenized, chunks):
-            if start == 0:  # a file's first chunk: a document starts
+        for split, tokens, starts_document, work in pieces:
+            if starts_document:
                 starts[split].append(written[split])
             tokens.astype(dtype, copy=False).tofile(outputs[split])
             written[split] += len(tokens)
-            progress.advance(end - start)
-    if not sources.val:
+            progress.advance(work)
+    if not written["train"]:  # every row hashed to validation (a dataset of a few rows)
+        os.replace(folder / "val.bin", folder / "train.bin")
+        starts = {"train": starts["val"], "val": []}
+        written = {"train": written["val"], "val": 0}
+    if not written["val"]:
         cut = _move_tail(folder / "train.bin", folder / "val.bin", dtype, sources.tail_fraction)
         # The validation tokens start inside a document, or at one: either way at one of theirs.
         starts = {"train": [s for s in starts["train"] if s < cut],
@@ -218,27 +254,27 @@ def _move_tail(train: Path, val: Path, dtype: np.dtype, fraction: float) -> int:
     return cut
 
 
-def _tokenized(chunks: list[Chunk], tokenizer: Tokenizer, chunk_bytes: int, workers: int,
-               eos_id: int | None) -> Iterator[tuple[str, np.ndarray]]:
-    """Each chunk's (split, ids), in order. Bytes need no tokenizer work, and a corpus of one
-    chunk is not worth starting processes for: both stay in this process."""
+def _in_order(work, items, tokenizer: Tokenizer, workers: int, eos_id: int | None, in_process: bool) -> Iterator:
+    """`work(item)` of each item, in order. Bytes need no tokenizer work, and a corpus of
+    one chunk is not worth starting processes for: `in_process` keeps them here."""
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    total = sum(end - start for _, _, start, end in chunks)
-    if isinstance(tokenizer, ByteTokenizer) or workers == 1 or total <= chunk_bytes:
-        for chunk in chunks:
-            yield _tokenize_chunk(chunk, tokenizer, eos_id)
+    if in_process or workers == 1:
+        _start_worker(tokenizer, eos_id)
+        for item in items:
+            yield work(item)
         return
     # fork (as torch's DataLoader workers): `python -m ciuic_train` runs its main at
     # import, which spawn would repeat in each worker. The workers are the parallelism,
     # one tokenizer thread each; this also keeps tokenizers from warning about the fork.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer.name, tokenizer.to_str(), eos_id)) as pool:
-        # At most 2 chunks per worker are read or held at once: memory stays bounded
+    with context.Pool(workers, initializer=_start_forked_worker,
+                      initargs=(tokenizer.name, tokenizer.to_str(), eos_id)) as pool:
+        # At most 2 items per worker are read or held at once: memory stays bounded
         # however far the writer lags.
         pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_work, (chunk,)))
+        for item in items:
+            pending.append(pool.apply_async(work, (item,)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         for result in pending:
@@ -249,13 +285,33 @@ _worker_tokenizer: Tokenizer | None = None
 _worker_eos_id: int | None = None
 
 
-def _start_worker(name: str, json_text: str, eos_id: int | None) -> None:
+def _start_worker(tokenizer: Tokenizer, eos_id: int | None) -> None:
     global _worker_tokenizer, _worker_eos_id
-    _worker_tokenizer, _worker_eos_id = JsonTokenizer(name, json_text), eos_id
+    _worker_tokenizer, _worker_eos_id = tokenizer, eos_id
+
+
+def _start_forked_worker(name: str, json_text: str, eos_id: int | None) -> None:
+    """A worker process's own tokenizer, made from its JSON (not the parent's, whose
+    threads a fork does not carry)."""
+    _start_worker(JsonTokenizer(name, json_text), eos_id)
 
 
 def _work(chunk: Chunk) -> tuple[str, np.ndarray]:
     return _tokenize_chunk(chunk, _worker_tokenizer, _worker_eos_id)
+
+
+def _work_rows(batch: tuple[str, list[str]]) -> tuple[str, list[np.ndarray]]:
+    split, texts = batch
+    return split, [encode_document(text, _worker_tokenizer, _worker_eos_id) for text in texts]
+
+
+def encode_document(text: str, tokenizer: Tokenizer, eos_id: int | None) -> np.ndarray:
+    """One row's ids, ending as a text file's do: with `eos_id`, or (None) a blank line."""
+    data = text.encode("utf-8")
+    if eos_id is None:
+        return tokenizer.encode_bytes(data + FILE_SEPARATOR)
+    tokens = tokenizer.encode_bytes(data)
+    return np.append(tokens, np.asarray(eos_id, dtype=tokens.dtype))
 
 
 def _tokenize_chunk(chunk: Chunk, tokenizer: Tokenizer, eos_id: int | None = None) -> tuple[str, np.ndarray]:

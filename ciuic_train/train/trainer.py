@@ -5,7 +5,8 @@ One optimizer step (`Trainer.train_step`):
     lr for this step                        <- tricks.lr_at
     weights of its micro-batches            <- tricks.micro_batch_weights
     for each micro-batch:
-        next windows of this rank's share   (sampler, ordered by tricks.order_indices each epoch)
+        next windows of this rank's share   (sampler, ordered by tricks.order_indices each epoch;
+                                            or cut from its share of a stream)
         loss = model(inputs, targets)       <- tricks.transform_loss
                                             (under dist.ep, routed tokens visit their experts' ranks)
         backward(loss * weight)             gradients cross ranks on the last micro-batch only
@@ -52,7 +53,7 @@ from ciuic_train.checkpoint.resume import (
 )
 from ciuic_train.config import Config, OnNonFinite, Precision
 from ciuic_train.data.corpus import load_tokens, unigram_entropy
-from ciuic_train.data.sampler import WindowSampler, eval_indices, get_batch, n_windows, window_documents
+from ciuic_train.data.sampler import eval_indices, get_batch, train_windows, window_documents
 from ciuic_train.data.tokenizer import check_model_vocab, save_tokenizer
 from ciuic_train.distributed.grads import average_gradients_with_consistency
 from ciuic_train.distributed.materialize import local_rows
@@ -109,7 +110,7 @@ class Trainer:
         random.seed(config.seed)
         torch.manual_seed(config.seed)
 
-        self.data = load_tokens(config.data)
+        self.data = load_tokens(config.data, stream_val_tokens=train.eval_windows * train.seq_len + 1)
         check_model_vocab(config.model.vocab_size, self.data.tokenizer, self.data.vocab_size)
         self.tricks = build_tricks(
             config.trick,
@@ -138,10 +139,8 @@ class Trainer:
                                               self.autocast)
         self.optimizer = build_optimizer(self.model, config.optim, train.lr)
         self.lr_schedule = LrSchedule.from_config(config.optim, train.lr, train.warmup_steps, train.max_steps)
-        self.sampler = WindowSampler(
-            n_windows(self.data.train, train.seq_len), config.seed, rank, world,
-            order=self.tricks.order_indices, shuffle=config.data.shuffle,
-        )
+        self.windows = train_windows(self.data, config.data, train.seq_len, config.seed, rank, world,
+                                     order=self.tricks.order_indices)
         # Each rank evaluates its own slice of the fixed validation windows (the same set for
         # every layout), in the same number of batches everywhere (sharded and
         # expert-parallel forwards are collectives).
@@ -185,11 +184,11 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         rank_state = {
             "step": self.step,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.windows.state_dict(),
             "tricks": self.tricks.state_dict(),
             "loss_watch": self.watch.state_dict(),
         }
-        meta = {**self._meta(), "data": self.sampler.global_position()}
+        meta = {**self._meta(), "data": self.windows.global_position()}
         return self.checkpointer.save(self.step, self.model, self.optimizer, rank_state, meta)
 
     def _resume(self, path: Path) -> None:
@@ -202,7 +201,7 @@ class Trainer:
         state_of = self.parallel.data_rank if same_world else 0
         state = self.checkpointer.load(path, self.model, self.optimizer, state_of_rank=state_of)
         self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"] if same_world else self.sampler.share_of(meta["data"]))
+        self.windows.load_state_dict(state["sampler"] if same_world else self.windows.share_of(meta["data"]))
         self.tricks.load_state_dict(state["tricks"])
         if "loss_watch" in state:  # absent from checkpoints that predate it
             self.watch.load_state_dict(state["loss_watch"])
@@ -213,6 +212,10 @@ class Trainer:
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         return self.passes.loss(inputs, targets, reduction)
+
+    def _to_device(self, inputs: torch.Tensor, targets: torch.Tensor, documents: dict[str, torch.Tensor]):
+        return (inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True),
+                {name: value.to(self.device, non_blocking=True) for name, value in documents.items()})
 
     def _batch(self, indices: torch.Tensor, split) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = get_batch(split, indices, self.config.train.seq_len)
@@ -249,9 +252,8 @@ class Trainer:
         measure_consistency = train.log_grad_consistency and self.cadence.logs(self.step + 1, False, False)
         for i, weight in enumerate(weights):
             with self.step_times.fetching_data():
-                indices = self.sampler.next_indices(train.batch_size)
-                inputs, targets = self._batch(indices, self.data.train)
-                documents = self._documents(indices, self.data.train_docs)
+                inputs, targets, documents = self.windows.next_batch(train.batch_size)
+                inputs, targets, documents = self._to_device(inputs, targets, documents)
             sync = i == len(weights) - 1 and not measure_consistency
             loss, side_figures = self.passes.train(inputs, targets, weight, self.step, sync, **documents)
             loss_sum += loss.double() * weight
@@ -415,7 +417,7 @@ class Trainer:
         log.info(
             f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active){mtp} on {self.device} "
             f"({torch.get_num_threads()} threads); "
-            f"data {self.data.description}: {len(self.data.train):,} train / {len(self.data.val):,} val tokens"
+            f"data {self.data.description}: {self.data.size()}"
         )
         stored = sum(param_bytes(self.model).values())
         peaks = self._peak_memory_per_rank()
@@ -434,7 +436,8 @@ class Trainer:
         summary = {
             "steps": self.step,
             **run,
-            "unigram_entropy": unigram_entropy(self.data.train, self.data.vocab_size),
+            # Of a stream: its validation tokens, the only ones read whole.
+            "unigram_entropy": unigram_entropy(self.data.whole_split(), self.data.vocab_size),
             "world_size": self.parallel.world_size,
             "strategy": self.parallel.strategy,
             "mesh": self.parallel.mesh.shape.as_dict(),
