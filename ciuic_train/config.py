@@ -234,6 +234,12 @@ class DistConfig:
     # an eighth of its gradients' bytes within 1 to 25 MiB (torch's default, where one
     # bucket can hold almost a small model's gradients and fill only as backward ends).
     ddp_bucket_mb: float = 0.0
+    # FSDP: each block starts the all-gathers of the next fsdp_prefetch blocks (the previous
+    # ones in backward) once its own are in, so they run during its computation (0: FSDP's
+    # own, one block ahead when it starts); fsdp_keep_last_gathered: the last block keeps
+    # its parameters from forward to backward. Not in a pipeline (dist.pp>1).
+    fsdp_prefetch: int = 1
+    fsdp_keep_last_gathered: bool = True
     # Pipeline parallelism (ciuic_train/distributed/pipeline.py): the layers split over `pp`
     # ranks, outermost in the mesh. Each `train.batch_size` batch runs through the schedule
     # as `pp_microbatches` micro-batches (0: one per stage); `pp_layers` lists the layers of
@@ -265,6 +271,9 @@ class CheckpointConfig:
     keep_last: int = 3
     # Resume a checkpoint written with a different set of tricks.
     allow_trick_change: bool = False
+    # Stage each save into CPU memory and write it in the background while training goes on
+    # (at most one in flight; the next save, the run's end and a stop signal wait for it).
+    async_save: bool = False
 
 
 @dataclass
@@ -447,6 +456,8 @@ def validate(config: Config) -> None:
     if config.dist.ddp_bucket_mb < 0:
         raise UserError(f"dist.ddp_bucket_mb={config.dist.ddp_bucket_mb} must be positive, or 0 to size the "
                         "buckets from the model")
+    if config.dist.fsdp_prefetch < 0:
+        raise UserError(f"dist.fsdp_prefetch={config.dist.fsdp_prefetch} must be 0 (FSDP's own order) or more")
     if config.dist.nnodes < 1:
         raise UserError(f"dist.nnodes={config.dist.nnodes} must be at least 1")
     if config.dist.timeout_s < 1:

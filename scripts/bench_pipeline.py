@@ -24,7 +24,8 @@ stages and free transfers.
 
 `--netns`: the same workers, rank 0 on emulated host 0 and rank 1 on host 1
 (scripts/cluster/netns_cluster.sh; one pipeline stage per host), once per link rate in
-`--rates` (Mbit/s, 0 = unlimited), the layouts ddp, fsdp and pp_1f1b; each step time is
+`--rates` (Mbit/s, 0 = unlimited), the layouts ddp, fsdp, fsdp_own (FSDP in its own
+prefetch order: `dist.fsdp_prefetch=0 dist.fsdp_keep_last_gathered=false`) and pp_1f1b; each step time is
 reported over the same layout's on the unlimited link.
 """
 
@@ -55,7 +56,8 @@ from ciuic_train.train.trainer import Trainer
 
 NPROC = 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
-NETNS_LAYOUTS = ("ddp", "fsdp", "pp_1f1b")
+# fsdp_own: FSDP in its own prefetch order (dist.fsdp_prefetch=0, the last block resharded), beside the default.
+NETNS_LAYOUTS = ("ddp", "fsdp", "fsdp_own", "pp_1f1b")
 NETNS_CLUSTER = Path(__file__).resolve().parent / "cluster" / "netns_cluster.sh"
 progress = results_console()
 
@@ -65,6 +67,9 @@ def layout_overrides(name: str, batch_size: int, microbatches: int) -> list[str]
         return [f"train.batch_size={batch_size}", f"dist.dp_replicate={NPROC}"]
     if name == "fsdp":
         return [f"train.batch_size={batch_size}", f"dist.dp_shard={NPROC}", "dist.dp_replicate=1"]
+    if name == "fsdp_own":
+        return [*layout_overrides("fsdp", batch_size, microbatches), "dist.fsdp_prefetch=0",
+                "dist.fsdp_keep_last_gathered=false"]
     schedule = name.removeprefix("pp_")
     per_rank = 1 if schedule in ONE_STAGE_PER_RANK else 2
     return [f"train.batch_size={NPROC * batch_size}", f"dist.pp={NPROC}", f"dist.pp_schedule={schedule}",

@@ -32,9 +32,12 @@ def make_trainer(run_dir, text_corpus, tmp_path, *overrides):
     return Trainer(compose_config(*TINY, *corpus(text_corpus, tmp_path), *overrides), run_dir)
 
 
-@pytest.mark.parametrize("extra", [[], ["model.n_mtp_layers=1"], *([f"+trick={name}"] for name in sorted(registry()))],
+@pytest.mark.parametrize("extra", [[], ["model.n_mtp_layers=1"], ["ckpt.async_save=true"],
+                                   *([f"+trick={name}"] for name in sorted(registry()))],
                          ids=lambda extra: extra[0] if extra else "plain")
 def test_resume_ends_bit_identical_to_an_uninterrupted_run(tmp_path, text_corpus, extra):
+    """Asynchronous saves: the step after the save runs while it is written, and changes
+    nothing of what it writes."""
     overrides = ["train.max_steps=10", "train.grad_accum=2", "ckpt.every=3", "train.eval_every=5", "train.log_every=1",
                  *extra]
     whole = make_trainer(tmp_path / "whole", text_corpus, tmp_path, *overrides).fit()
@@ -44,6 +47,7 @@ def test_resume_ends_bit_identical_to_an_uninterrupted_run(tmp_path, text_corpus
         interrupted.train_step()
     interrupted.save_checkpoint()
     interrupted.train_step()
+    interrupted.checkpointer.wait()
     resumed = make_trainer(tmp_path / "cut", text_corpus, tmp_path, *overrides)
     assert resumed.step == 6 and resumed.resumed_from.name == "step_000006"
     summary = resumed.fit()

@@ -290,6 +290,49 @@ def test_fsdp_bf16_keeps_the_rope_tables_fp32(tmp_path):
         dist.destroy_process_group()
 
 
+def test_fsdp_prefetches_the_next_blocks_and_keeps_the_last_gathered_without_changing_a_step(tmp_path):
+    """On a 1-rank gloo group: each unit prefetches the next `prefetch` units in forward and
+    the previous ones in backward, the last unit keeps its parameters after forward, and a
+    training step gives the gradients FSDP's own order gives, bit for bit."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ciuic_train.distributed.data_parallel import shard_with_fsdp
+    from ciuic_train.model import ModelConfig, Transformer
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        device_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+        mesh = SimpleNamespace(shape=SimpleNamespace(ep=1), dense=lambda: device_mesh)
+        grads = []
+        for prefetch, keep in ((0, False), (2, True)):
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig(n_layers=3, n_dense_layers=1, n_mtp_layers=1))
+            shard_with_fsdp(model, mesh, bf16=False, roots=[model], prefetch=prefetch, keep_last_gathered=keep)
+            units = [*model.layers, *model.mtp]
+            states = [unit._get_fsdp_state() for unit in units]
+            forward = [[id(s) for s in state._states_to_forward_prefetch] for state in states]
+            backward = [[id(s) for s in state._states_to_backward_prefetch] for state in states]
+            kept = [state._fsdp_param_group.post_forward_mesh_info is None for state in states]
+            if prefetch:
+                ids = [id(s) for s in states]
+                assert forward == [ids[1:3], ids[2:4], ids[3:4], []]
+                assert backward == [[], ids[0:1], ids[1::-1], ids[2:0:-1]]
+                assert kept == [False, False, False, True]
+            else:
+                assert forward == backward == [[]] * 4 and not any(kept)
+            idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+            model(idx, idx).backward()
+            grads.append([p.grad.full_tensor() for p in model.parameters() if p.grad is not None])
+        assert len(grads[0]) == len(grads[1]) > 0
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_rank_that_hangs_on_its_way_out_prints_every_stack_and_exits_1():
     """What `Parallel.close` arms in a rank's process: a hang after the run (a stuck thread
     or destructor) ends with the stacks that show where, not a process that never exits."""

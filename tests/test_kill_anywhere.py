@@ -32,7 +32,8 @@ kill lands still varies with the machine's timing, which is the point.
 
 Each kill costs a restart (~14 s on two cores), which is what limits their number: 4
 kills keep the test near 75 s. KILL_ANYWHERE_SEED and KILL_ANYWHERE_KINDS (e.g.
-`startup,save,save,any,any,any`) try other draws by hand; `pytest -s` prints what each
+`startup,save,save,any,any,any`; KILL_ANYWHERE_ASYNC_KINDS for the run with
+`ckpt.async_save=true`, 3 kills) try other draws by hand; `pytest -s` prints what each
 kill hit.
 """
 
@@ -54,7 +55,9 @@ TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_wind
 SEED = int(os.environ.get("KILL_ANYWHERE_SEED", 4))
 STEPS = 40
 KINDS = tuple(os.environ.get("KILL_ANYWHERE_KINDS", "startup,save,any,any").split(","))
-KILLS = len(KINDS)
+# Asynchronous saves (ckpt.async_save): the kills that can meet a background write; a
+# startup kill is the same in either mode.
+ASYNC_KINDS = tuple(os.environ.get("KILL_ANYWHERE_ASYNC_KINDS", "save,any,any").split(","))
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -171,10 +174,15 @@ def describe(kills: list[Kill]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sigkill_a_rank_anywhere_and_resume_ends_like_an_uninterrupted_run(tmp_path, text_corpus):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_sigkill_a_rank_anywhere_and_resume_ends_like_an_uninterrupted_run(tmp_path, text_corpus, asynchronous):
+    """With ckpt.async_save=true a kill may also land while a save is written in the
+    background, training going on meanwhile."""
     common = [*TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
               f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=10", "ckpt.every=1",
-              "ckpt.keep_last=2", "dist.nproc_per_node=2", "resume=auto"]
+              "ckpt.keep_last=2", "dist.nproc_per_node=2", "resume=auto", f"ckpt.async_save={str(asynchronous).lower()}"]
+    chosen = ASYNC_KINDS if asynchronous else KINDS
+    kills_planned = len(chosen)
     run_dir = tmp_path / "killed"
     checkpoints = run_dir / "checkpoints"
     args = [*common, f"hydra.run.dir={run_dir}"]
@@ -182,13 +190,13 @@ def test_sigkill_a_rank_anywhere_and_resume_ends_like_an_uninterrupted_run(tmp_p
     def resumed_line(step: int) -> str:
         return f"resumed from {checkpoints / f'step_{step:06d}'} at step {step}"
 
-    assert set(KINDS) <= {"startup", "any", "save"}, KINDS
+    assert set(chosen) <= {"startup", "any", "save"}, chosen
     rng = random.Random(SEED)
-    kinds = list(KINDS)
+    kinds = list(chosen)
     rng.shuffle(kinds)
     # One target step per kill, each drawn in its own slice of the run so that the kills spread
     # over it; the last slice ends a few steps early, so that no kill comes after the end.
-    edges = [1 + round(i * (STEPS - 4) / KILLS) for i in range(KILLS + 1)]
+    edges = [1 + round(i * (STEPS - 4) / kills_planned) for i in range(kills_planned + 1)]
     targets = [rng.randint(lo, hi - 1) for lo, hi in zip(edges, edges[1:])]
     # Drawn before anything is timed, so that the seed alone fixes them.
     ranks, fractions = [rng.choice((0, 1)) for _ in kinds], [rng.random() for _ in kinds]

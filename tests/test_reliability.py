@@ -217,10 +217,15 @@ def test_a_second_job_in_a_busy_folder_exits_2_and_writes_nothing(tmp_path, text
 # --- saves that cannot be written ----------------------------------------------------------
 
 
-def test_a_save_that_cannot_be_written_stops_the_run_and_leaves_nothing_behind(tmp_path, text_corpus, one_thread):
-    trainer = make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=10")
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_save_that_cannot_be_written_stops_the_run_and_leaves_nothing_behind(tmp_path, text_corpus, one_thread,
+                                                                              asynchronous):
+    """Written in the background (ckpt.async_save), the failure stops the run where it waits for the save."""
+    async_save = f"ckpt.async_save={str(asynchronous).lower()}"
+    trainer = make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=10", async_save)
     trainer.train_step()
     first = trainer.save_checkpoint()
+    trainer.checkpointer.wait()
     trainer.train_step()
     # A real write error without root: files may not grow past 64 KiB (Python ignores the
     # SIGXFSZ this raises, so the write fails, as one on a full disk does).
@@ -229,13 +234,14 @@ def test_a_save_that_cannot_be_written_stops_the_run_and_leaves_nothing_behind(t
     try:
         with pytest.raises(RunFailed) as failure:
             trainer.save_checkpoint()
+            trainer.checkpointer.wait()
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     message = str(failure.value)
     assert message.startswith(f"saving checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_000002'} failed: ")
     assert f"the previous checkpoint {first} is intact" in message and "free" in message
     assert sorted(p.name for p in first.parent.iterdir()) == ["step_000001"]
-    assert make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=10").step == 1
+    assert make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=10", async_save).step == 1
 
 
 def test_a_short_disk_is_warned_about_at_start(tmp_path, text_corpus, monkeypatch, caplog):
@@ -265,10 +271,11 @@ def small_filesystem(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes_once_there_is_room(
-        tmp_path, text_corpus, small_filesystem):
+        tmp_path, text_corpus, small_filesystem, asynchronous):
     args = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=10", "ckpt.every=2", "ckpt.keep_last=3",
-            "dist.nproc_per_node=2", "dist.timeout_s=60"]
+            "dist.nproc_per_node=2", "dist.timeout_s=60", f"ckpt.async_save={str(asynchronous).lower()}"]
     run_dir = small_filesystem / "run"
     full = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=240)
     assert full.returncode == 3, full.stderr[-3000:]

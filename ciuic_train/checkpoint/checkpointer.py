@@ -18,6 +18,16 @@ folder) fails on every rank together: the temporary folder is removed and the ru
 with one line (`RunFailed`), since a run that cannot save must not believe it can.
 Loading never unpickles: DCP reads tensors, the rest is JSON.
 
+`ckpt.async_save=true`: the save stages the state into CPU memory (`dcp.async_save`'s
+default stager: a copy, not pinned) and returns; a background thread writes the shards,
+then the rank files (their state, RNG streams included, taken when the save was
+called), agrees with the other ranks' threads and publishes as above, over a process
+group of its own (gloo), so that its collectives never meet the training's. At most one
+save is in flight: the next one, the end of the run and a stop signal wait for it
+(`wait`), and a failed background save stops the run there, on every rank at once,
+with the previous checkpoint intact. A kill during the write leaves a `.tmp-*` folder,
+as a kill during a synchronous save does.
+
 Which checkpoint a run continues from, and whether it may, is `resume.py`'s; `load_model`
 reads one checkpoint's model whole, for `export.py`.
 """
@@ -30,6 +40,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -88,13 +99,21 @@ def _tuples(value: Any) -> Any:
 class Checkpointer:
     """Saves and restores a trainer's whole state; every rank calls each method together."""
 
-    def __init__(self, folder: Path, rank: int, world_size: int, keep_last: int):
+    def __init__(self, folder: Path, rank: int, world_size: int, keep_last: int, asynchronous: bool = False):
         self.folder = folder
         self.rank = rank
         self.world_size = world_size
         self.keep_last = keep_last
         self.saves = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # the time training stood still for saves
+        self.asynchronous = asynchronous
+        # The background saves' own group: created by every rank together, here.
+        self.background_group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        if asynchronous and not dist.is_initialized():  # DCP's thread warns, where `_single_process_is_fine` cannot hear
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        self._in_flight: threading.Thread | None = None
+        self._in_flight_step = 0
+        self._background_failure: RunFailed | None = None
 
     def save(self, step: int, model, optimizer, rank_state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Write `step_<step>`: temporary folder, shards and rank files, then meta.json and the rename.
@@ -102,6 +121,10 @@ class Checkpointer:
         Each phase ends with the ranks agreeing that all of them succeeded; if any failed,
         every rank raises RunFailed after rank 0 has removed the temporary folder.
         """
+        if self._in_flight is not None:
+            log.info(f"checkpoint step_{step:06d} is due while step_{self._in_flight_step:06d} is still being "
+                     "written; waiting for it")
+            self.wait()  # counts its own time
         tic = time.perf_counter()
         final = self.folder / f"step_{step:06d}"
         tmp = self.folder / f".tmp-step_{step:06d}"
@@ -125,15 +148,60 @@ class Checkpointer:
                 for old in complete_checkpoints(self.folder)[: -self.keep_last or None]:
                     shutil.rmtree(old, ignore_errors=True)
 
-        for phase in (prepare, write, publish):
-            self._on_every_rank(phase, final, tmp)
+        if not self.asynchronous:
+            for phase in (prepare, write, publish):
+                self._on_every_rank(phase, final, tmp)
+        else:
+            rank_file = json.dumps({**rank_state, "rng": _encode_rng()})  # as they are now, not when written
+            upload = []
+
+            def stage() -> None:
+                model_sd, optim_sd = get_state_dict(model, optimizer, options=BY_NAME)
+                with _single_process_is_fine():
+                    response = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                                              process_group=self.background_group, no_dist=not dist.is_initialized())
+                upload.append(getattr(response, "upload_completion", response))
+
+            def write_in_background() -> None:
+                upload[0].result()
+                (tmp / f"rank{self.rank}.json").write_text(rank_file)
+
+            for phase in (prepare, stage):
+                self._on_every_rank(phase, final, tmp)
+            self._in_flight_step = step
+            self._in_flight = threading.Thread(target=self._finish_in_background, name=f"checkpoint step {step}",
+                                               args=([write_in_background, publish], final, tmp))
+            self._in_flight.start()
         self.saves += 1
         self.seconds += time.perf_counter() - tic
         return final
 
-    def _on_every_rank(self, phase: Callable[[], None], final: Path, tmp: Path) -> None:
-        """Run one phase of a save and agree on its outcome (the collective is also the
-        barrier between phases); a failure anywhere fails the save everywhere."""
+    def _finish_in_background(self, phases: list[Callable[[], None]], final: Path, tmp: Path) -> None:
+        """The background thread of an asynchronous save: its phases agreed over the
+        background group; a failure is kept for `wait` to raise."""
+        try:
+            for phase in phases:
+                self._on_every_rank(phase, final, tmp, self.background_group)
+        except RunFailed as failure:
+            self._background_failure = failure
+        except BaseException as err:  # the agreement itself failed (a rank gone): no rank may go on believing it saved
+            self._background_failure = RunFailed(f"saving checkpoint {final} failed: {first_line(err)}; the run stops here")
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any (every rank together); raise RunFailed if it failed."""
+        if self._in_flight is None:
+            return
+        tic = time.perf_counter()
+        self._in_flight.join()
+        self._in_flight = None
+        self.seconds += time.perf_counter() - tic
+        failure, self._background_failure = self._background_failure, None
+        if failure is not None:
+            raise failure
+
+    def _on_every_rank(self, phase: Callable[[], None], final: Path, tmp: Path, group=None) -> None:
+        """Run one phase of a save and agree on its outcome over `group` (the collective is
+        also the barrier between phases); a failure anywhere fails the save everywhere."""
         try:
             phase()
             error = None
@@ -142,14 +210,14 @@ class Checkpointer:
         errors = [error]
         if dist.is_initialized():
             errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
+            dist.all_gather_object(errors, error, group=group)
         failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
         if not failed:
             return
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if dist.is_initialized():
-            dist.barrier()  # the folder is gone before any rank reports
+            dist.barrier(group=group)  # the folder is gone before any rank reports
         raise RunFailed(self._failure_message(final, tmp, failed))
 
     def _failure_message(self, final: Path, tmp: Path, failed: list[tuple[int, str]]) -> str:

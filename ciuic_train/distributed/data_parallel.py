@@ -62,10 +62,19 @@ def replicate_with_ddp(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None,
     return replica
 
 
-def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool, roots: list[nn.Module]) -> None:
+def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool, roots: list[nn.Module], prefetch: int = 0,
+                    keep_last_gathered: bool = False) -> None:
     """FSDP2: each block's (and MTP depth's) parameters sharded across ranks and gathered
     when it runs; then the rest (embedding, final norm, lm head) in each of `roots`: the
     model, or a pipeline's stages (which hold those parts of the model it needs).
+
+    `prefetch` > 0: each block issues the all-gathers of the next `prefetch` blocks as
+    soon as its own are in, in forward and (the previous ones) in backward, instead of
+    when those blocks start: on gloo the gathers run on its own threads meanwhile, so the
+    wire time hides behind the block's computation (0: FSDP's own order, one block ahead
+    issued at that block's start). `keep_last_gathered`: the last unit keeps its
+    parameters after forward, as backward needs them first (one block's parameters
+    more in memory, one all-gather fewer per step).
 
     Under expert parallelism the experts are DTensors split over `ep`; FSDP shards them
     further over the ranks that hold the same experts (`Mesh.expert_copies`), through a
@@ -78,10 +87,18 @@ def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool, roots: list[nn.Mod
     policy = fsdp_precision(bf16)
     dense = mesh.dense()
     placement = _expert_placement(model, mesh) if mesh.shape.ep > 1 else None
-    for unit in [*model.layers, *model.mtp]:  # an MTP depth is gathered as a whole
-        fully_shard(unit, mesh=dense, mp_policy=policy, shard_placement_fn=placement)
+    units = [*model.layers, *model.mtp]  # in the order forward runs them; an MTP depth is gathered as a whole
+    for i, unit in enumerate(units):
+        reshard = not (keep_last_gathered and i == len(units) - 1)
+        fully_shard(unit, mesh=dense, mp_policy=policy, shard_placement_fn=placement, reshard_after_forward=reshard)
     for root in roots:
         fully_shard(root, mesh=dense, mp_policy=policy)
+    if prefetch:
+        for i, unit in enumerate(units):
+            if units[i + 1 : i + 1 + prefetch]:
+                unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + prefetch])
+            if i:
+                unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch) : i][::-1])
 
 
 def fsdp_precision(bf16: bool):

@@ -87,7 +87,12 @@ def parallelize(
     if comm_hook is not None:  # one process: a sharded mesh refused the hook above
         log.warning(f"trick {hook_trick}: world size 1, no gradient all-reduce to act on")
     if mesh.strategy != "none":
-        shard_with_fsdp(model, mesh, bf16=config.precision is Precision.bf16, roots=fsdp_roots or [model])
+        # A pipeline's blocks do not run in one order on a rank (its stages interleave micro-batches):
+        # FSDP's own order there.
+        linear = fsdp_roots is None
+        shard_with_fsdp(model, mesh, bf16=config.precision is Precision.bf16, roots=fsdp_roots or [model],
+                        prefetch=config.dist.fsdp_prefetch if linear else 0,
+                        keep_last_gathered=config.dist.fsdp_keep_last_gathered and linear)
     materialize(model, mesh.device, init)
     return model
 

@@ -92,8 +92,10 @@ in flight); the figures above are then those of the pipeline rank that needs the
 Communication per optimizer step (see `_communication`), bytes a rank sends
 --------------------------------------------------------------------------
 - all-gather (FSDP, exact): per micro-batch, every block twice (forward, and again in
-  backward) and the root once: sum over gathers of (m - 1) x shard bytes (g bytes per
-  element) where m is the group size (n for dense parameters, efsdp for experts);
+  backward) and the root once, but the last unit once where it stays gathered from
+  forward to backward (`dist.fsdp_keep_last_gathered`, not in a pipeline): sum over
+  gathers of (m - 1) x shard bytes (g bytes per element) where m is the group size (n
+  for dense parameters, efsdp for experts);
 - reduce-scatter (FSDP, exact): once per step (the last micro-batch syncs), fp32:
   sum of (m - 1) x shard x 4;
 - all-reduce (exact): HSDP's replica all-reduce of the fp32 sharded gradients,
@@ -190,7 +192,9 @@ def _communication(config: Config, model: nn.Module, mesh: MeshShape, widths: Wi
     def sent(unit: Unit) -> int:
         return sum(unit.sent.values())
 
-    all_gather = micro * (2 * sum(sent(u) for u in blocks) + sent(root)) * widths.g if sharded else 0
+    # The last unit kept gathered from forward to backward (dist.fsdp_keep_last_gathered) is gathered once.
+    kept = sent(blocks[-1]) if blocks and config.dist.fsdp_keep_last_gathered and config.dist.pp == 1 else 0
+    all_gather = micro * (2 * sum(sent(u) for u in blocks) - kept + sent(root)) * widths.g if sharded else 0
     reduce_scatter = 4 * sum(sent(u) for u in units) if sharded else 0
     replicas = 0
     if mesh.strategy == "hsdp":

@@ -160,7 +160,7 @@ def _comm_table(f: dict[str, Any]) -> Any:
         for key, name in (("ddp_grads", "DDP grads"), ("hsdp_replicas", "HSDP replicas"), ("moe_load", "MoE load"))
         if ar[key]
     ]
-    table.add_row("all-gather", format_bytes(comm["all_gather"]), "FSDP: blocks forward + backward, root once (exact)")
+    table.add_row("all-gather", format_bytes(comm["all_gather"]), "FSDP: blocks forward + backward, root and a kept last block once (exact)")
     table.add_row("reduce-scatter", format_bytes(comm["reduce_scatter"]), "FSDP: fp32 gradients, once a step (exact)")
     table.add_row("all-reduce", format_bytes(ar["total"]), (", ".join(parts) or "none") + " (exact)")
     table.add_row("all-to-all", format_bytes(comm["all_to_all"]), "EP: token rows, uniform routing (estimate)")

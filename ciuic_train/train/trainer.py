@@ -154,7 +154,7 @@ class Trainer:
         self.step_times = StepTimes(train, self.parallel)
         self.step = 0
         self.checkpointer = Checkpointer(run_dir / "checkpoints", self.parallel.info.rank, self.parallel.world_size,
-                                         config.ckpt.keep_last)
+                                         config.ckpt.keep_last, config.ckpt.async_save)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
         elif self.parallel.is_main:  # a fresh start: lines a previous attempt logged are not this run's
@@ -379,6 +379,7 @@ class Trainer:
                 if stopped_by:
                     break
                 inject_fault(self.config.fault, rank, self.step)
+            self.checkpointer.wait()  # the last save, written in the background, is complete before the run ends
         self.tricks.close()
         run = {
             "stopped_by": stopped_by,
