@@ -122,9 +122,11 @@ class Checkpointer:
         every rank raises RunFailed after rank 0 has removed the temporary folder.
         """
         if self._in_flight is not None:
-            log.info(f"checkpoint step_{step:06d} is due while step_{self._in_flight_step:06d} is still being "
-                     "written; waiting for it")
-            self.wait()  # counts its own time
+            busy, previous, began = self._in_flight.is_alive(), self._in_flight_step, time.perf_counter()
+            self.wait()  # counts its own time; raises if that save failed
+            if busy:  # said once it is over: a failed write may have filled the disk the log is on
+                log.info(f"checkpoint step_{step:06d} came due while step_{previous:06d} was still being written; "
+                         f"waited {time.perf_counter() - began:.2f} s for it")
         tic = time.perf_counter()
         final = self.folder / f"step_{step:06d}"
         tmp = self.folder / f".tmp-step_{step:06d}"
