@@ -9,8 +9,8 @@ from __future__ import annotations
 from ciuic_train.errors import UserError
 
 CORPORA = ("stdlib", "text", "tokens", "hf")
-# The keys data=hf reads, and their defaults: set with another corpus, a mistake.
-HF_KEYS = {"dataset": "", "subset": "", "data_files": None, "val_split": "", "streaming": False}
+# The keys only data=hf reads: set away from their defaults with another corpus, a mistake.
+HF_KEYS = ("dataset", "subset", "data_files", "val_split", "streaming")
 
 
 def validate_data(data, pp: int, order_owner: str | None) -> None:
@@ -29,7 +29,8 @@ def validate_data(data, pp: int, order_owner: str | None) -> None:
 
 def _validate_dataset(data, order_owner: str | None) -> None:
     if data.name != "hf":
-        given = next((key for key, default in HF_KEYS.items() if getattr(data, key) != default), None)
+        defaults = type(data)()  # the schema's own defaults, not restated here
+        given = next((key for key in HF_KEYS if getattr(data, key) != getattr(defaults, key)), None)
         if given:
             raise UserError(f"data.{given} is for data=hf (a Hugging Face dataset), not data={data.name}")
         return

@@ -93,8 +93,14 @@ def _load_dataset(cfg: DataConfig, stream_val_tokens: int) -> TokenSplits:
     tokenizer = ByteTokenizer(cfg.eos) if cfg.tokenizer == BYTES else load_tokenizer_file(cfg.tokenizer)
     train = StreamedSplit(cfg, tokenizer, validation=False)
     val, val_docs = read_validation(StreamedSplit(cfg, tokenizer, validation=True), stream_val_tokens)
+    return TokenSplits(train, val, tokenizer.vocab_size, f"{cfg.dataset} (streamed, {_tokenizer_words(cfg, tokenizer)})",
+                       tokenizer, None, val_docs)
+
+
+def _tokenizer_words(cfg: DataConfig, tokenizer: Tokenizer) -> str:
+    """How a corpus's description names its tokenizer (and its end-of-text id, under data.eos)."""
     what = "bytes" if cfg.tokenizer == BYTES else f"{cfg.tokenizer}, {tokenizer.vocab_size:,} tokens"
-    return TokenSplits(train, val, tokenizer.vocab_size, f"{cfg.dataset} (streamed, {what})", tokenizer, None, val_docs)
+    return what + (f", documents end with id {tokenizer.end_of_text_id()}" if cfg.eos else "")
 
 
 def _load_cached(cfg: DataConfig, sources: Sources | DatasetRows, origin: str = "") -> TokenSplits:
@@ -109,9 +115,7 @@ def _load_cached(cfg: DataConfig, sources: Sources | DatasetRows, origin: str = 
     if not origin:
         where = f"python {sys.version.split()[0]} stdlib" if sources.kind == "stdlib" else cfg.path
         origin = f"{where} ({len(sources.train) + len(sources.val)} files"
-    what = "bytes" if cfg.tokenizer == BYTES else f"{cfg.tokenizer}, {tokenizer.vocab_size:,} tokens"
-    if cfg.eos:
-        what += f", documents end with id {tokenizer.end_of_text_id()}"
+    what = _tokenizer_words(cfg, tokenizer)
     train, val = _open_bin(folder / "train.bin", dtype), _open_bin(folder / "val.bin", dtype)
     return TokenSplits(
         train, val, tokenizer.vocab_size, f"{origin}, {what})", tokenizer,

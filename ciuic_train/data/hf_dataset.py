@@ -184,26 +184,35 @@ class DatasetRows:
     def n_rows(self) -> int:
         return len(self.train) + (len(self.val) if self.val is not None else 0)
 
+    def _row_texts(self, dataset) -> Iterator[list[str]]:
+        """A split's texts, a batch of rows at a time (a null text: an empty document)."""
+        field = self.cfg.text_field
+        for batch in dataset.select_columns([field]).iter(batch_size=ROW_BATCH):
+            yield [text or "" for text in batch[field]]
+
     def batches(self) -> Iterator[tuple[str, list[str]]]:
         """(split, texts) a batch of rows at a time: the training split's rows, then the
         validation split's (without one, each training row goes where its hash says)."""
-        field = self.cfg.text_field
-        for split, dataset in (("train", self.train), ("val", self.val)):
-            if dataset is None:
-                continue
-            for batch in dataset.select_columns([field]).iter(batch_size=ROW_BATCH):
-                texts = [text or "" for text in batch[field]]
-                if split == "val" or self.val is not None:
-                    yield split, texts
-                    continue
-                val = [text for text in texts if held_out(text, self.cfg.val_fraction)]
-                if len(val) < len(texts):
-                    yield "train", [text for text in texts if not held_out(text, self.cfg.val_fraction)]
-                if val:
-                    yield "val", val
+        if self.val is not None:
+            yield from (("train", texts) for texts in self._row_texts(self.train))
+            yield from (("val", texts) for texts in self._row_texts(self.val))
+            return
+        for texts in self._row_texts(self.train):
+            held = [held_out(text, self.cfg.val_fraction) for text in texts]
+            train = [text for text, h in zip(texts, held) if not h]
+            val = [text for text, h in zip(texts, held) if h]
+            if train:
+                yield "train", train
+            if val:
+                yield "val", val
 
     def texts(self) -> Iterator[str]:
-        """The training rows' text (what a BPE trained here learns from)."""
-        for split, texts in self.batches():
+        """The training rows' text (what a BPE trained here learns from); a validation
+        split is not read."""
+        if self.val is not None:
+            batches = (("train", texts) for texts in self._row_texts(self.train))
+        else:
+            batches = self.batches()
+        for split, texts in batches:
             if split == "train":
                 yield from texts

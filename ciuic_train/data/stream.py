@@ -103,7 +103,7 @@ class StreamWindows:
 
     def _next_row(self) -> np.ndarray:
         """The next row's ids; at the end of the share, the next epoch's first."""
-        for attempt in range(2):
+        for _ in range(2):  # this epoch's next row, else the next epoch's first
             if self.rows is None:
                 self.rows = iter(self.dataset)
             row = next(self.rows, None)
