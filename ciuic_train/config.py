@@ -228,6 +228,9 @@ class DistConfig:
     dp_replicate: int = -1
     dp_shard: int = 1
     ep: int = 1
+    # Under ep>1, each token exchange runs in the background while the shared experts
+    # compute (their gradients too, in backward); false: the exchanges block. Bit-identical.
+    ep_overlap: bool = True
     # DDP's gradient buckets (MiB): each is all-reduced as soon as its gradients are ready,
     # so smaller ones hide more of the all-reduce behind backward on a slow link
     # (docs/bench/README.md, "DDP across two emulated hosts"). 0: sized from the model,

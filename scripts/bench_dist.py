@@ -323,9 +323,17 @@ def comm_share(args: argparse.Namespace, threads: int, work: Path) -> dict:
 
 # ---------------------------------------------------------------------------- expert parallelism (--ep)
 
-# The two layouts --ep compares, on NPROC=2 ranks: FSDP with every expert gathered on each
-# rank, and FSDP with the routed experts split over the 2 ranks.
-EP_LAYOUTS = {"ep1": ["dist.dp_shard=2"], "ep2": ["dist.dp_shard=2", "dist.ep=2"]}
+# The layouts --ep compares, on NPROC=2 ranks: FSDP with every expert gathered on each rank,
+# and FSDP with the routed experts split over the 2 ranks, its token exchanges overlapped
+# with the shared experts (the default) or blocking.
+EP_LAYOUTS = {
+    "ep1": ["dist.dp_shard=2"],
+    "ep2": ["dist.dp_shard=2", "dist.ep=2"],
+    "ep2_blocking": ["dist.dp_shard=2", "dist.ep=2", "dist.ep_overlap=false"],
+}
+# The layouts whose all-to-alls the probe reports, and the layouts of the memory runs.
+EP_SPLIT = ("ep2", "ep2_blocking")
+EP_MEMORY = ("ep1", "ep2")
 # First-step losses of the two layouts, same seed and data, may differ by this much.
 EP_LOSS_TOLERANCE = 1e-5
 ROW_BYTES_FP32 = 4
@@ -348,8 +356,20 @@ class _ProbedDist:
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):  # fmt: skip
-        assert not async_op, "the probe times blocking all-to-alls only"
-        return self._probe.record(output, input, output_split_sizes, input_split_sizes, group)
+        return self._probe.record(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+
+class _TimedWork:
+    """An async all-to-all's handle whose `wait()` adds the time spent in it to its call's record."""
+
+    def __init__(self, work, call: dict[str, Any]):
+        self._work, self._call = work, call
+
+    def wait(self):
+        tic = time.perf_counter()
+        result = self._work.wait()
+        self._call["seconds"] += time.perf_counter() - tic
+        return result
 
 
 class AllToAllProbe:
@@ -357,8 +377,11 @@ class AllToAllProbe:
 
     `kind` is `counts` (the per-expert counts), `rows_forward` or `rows_backward` (the
     differentiable row exchanges, out and back, in forward or in backward); the latter two
-    are told apart by wrapping `_AllToAll.forward` and `.backward`. Bytes count only what
-    crosses to or from another rank, not the slice a rank keeps.
+    are told apart by wrapping the autograd functions that run them (`_AllToAll` when the
+    exchanges block, `_Launch` and `_Land` when they overlap). The time of a call is what
+    the training thread spends in it: the whole call when it blocks; starting it plus
+    waiting for it when it runs in the background (the time the step cannot hide). Bytes
+    count only what crosses to or from another rank, not the slice a rank keeps.
     """
 
     def __init__(self):
@@ -369,26 +392,23 @@ class AllToAllProbe:
 
     def install(self) -> None:
         expert_parallel.dist = _ProbedDist(self)
-        cls = expert_parallel._AllToAll
-        forward, backward = cls.forward, cls.backward
+        for cls in (expert_parallel._AllToAll, expert_parallel._Launch, expert_parallel._Land):
+            cls.forward = staticmethod(self._labelled(cls.forward, "rows_forward"))
+            cls.backward = staticmethod(self._labelled(cls.backward, "rows_backward"))
+        # An overlapped exchange waits in the other function than the one it started in.
+        self.waits: dict[int, dict[str, Any]] = {}
 
-        def probed_forward(ctx, *args):
-            self.kind = "rows_forward"
+    def _labelled(self, method, kind: str):
+        def probed(ctx, *args):
+            self.kind = kind
             try:
-                return forward(ctx, *args)
+                return method(ctx, *args)
             finally:
                 self.kind = "counts"
 
-        def probed_backward(ctx, *args):
-            self.kind = "rows_backward"
-            try:
-                return backward(ctx, *args)
-            finally:
-                self.kind = "counts"
+        return probed
 
-        cls.forward, cls.backward = staticmethod(probed_forward), staticmethod(probed_backward)
-
-    def record(self, output, input, output_split_sizes, input_split_sizes, group):
+    def record(self, output, input, output_split_sizes, input_split_sizes, group, async_op=False):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         even = [input.shape[0] // size] * size
         sent = list(input_split_sizes) if input_split_sizes else even
@@ -397,12 +417,14 @@ class AllToAllProbe:
         if self.kind == "counts":
             self.counts.append((self.step, input.detach().clone()))
         tic = time.perf_counter()
-        work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+        work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                      async_op=async_op)  # fmt: skip
         seconds = time.perf_counter() - tic
         self.calls.append({
             "step": self.step,
             "kind": self.kind,
             "seconds": seconds,
+            "async": async_op,
             "bytes_sent": (sum(sent) - sent[rank]) * row_bytes,
             "bytes_received": (sum(received) - received[rank]) * row_bytes,
             # what `replay` needs to run the same exchange again
@@ -411,7 +433,7 @@ class AllToAllProbe:
             "dtype": input.dtype,
             "group": group,
         })  # fmt: skip
-        return work
+        return _TimedWork(work, self.calls[-1]) if async_op else work
 
     def replay(self, name: str, step: int) -> float:
         """Seconds the all-to-alls of one step take run again alone: same sizes, a barrier
@@ -498,12 +520,13 @@ def ep_worker(args: argparse.Namespace) -> None:
             parallels[name] = Parallel(configs[name].dist, torch.device("cpu"), config.model.n_routed_experts)
             trainers[name] = Trainer(configs[name], Path(run_dir), parallels[name])
     for name in layouts:
-        assert parallels[name].mesh.shape.as_dict() == {"dp_replicate": 1, "dp_shard": NPROC, "ep": int(name[2:])}
+        ep = NPROC if name in EP_SPLIT else 1
+        assert parallels[name].mesh.shape.as_dict() == {"dp_replicate": 1, "dp_shard": NPROC, "ep": ep}
     rss_built_mib = peak_rss_mib()
 
     step_s: dict[str, list[float]] = {name: [] for name in layouts}
     losses: dict[str, list[float]] = {name: [] for name in layouts}
-    a2a: list[dict[str, float]] = []
+    a2a: dict[str, list[dict[str, float]]] = {name: [] for name in layouts if name in EP_SPLIT}
     for i in range(args.ep_warmup + args.ep_steps):
         order = layouts if i % 2 == 0 else list(reversed(layouts))
         for name in order:
@@ -516,8 +539,8 @@ def ep_worker(args: argparse.Namespace) -> None:
             losses[name].append(figures["loss"])
             if i >= args.ep_warmup:
                 step_s[name].append(elapsed)
-                if name == "ep2":
-                    a2a.append(probe.per_step(name, i))
+                if name in a2a:
+                    a2a[name].append(probe.per_step(name, i))
     rss_peak_mib = peak_rss_mib()
     replayed_s = [probe.replay("ep2", i) for i in range(args.ep_warmup, args.ep_warmup + args.ep_steps)] if (
         "ep2" in layouts) else []  # fmt: skip
@@ -535,8 +558,9 @@ def ep_worker(args: argparse.Namespace) -> None:
         # The counts each of this rank's dispatches exchanged, every rank's gathered here, in
         # call order (each dispatch is a collective of the ep group, here every rank).
         assert dist.get_world_size(trainers["ep2"].parallel.mesh.experts().get_group()) == dist.get_world_size()
-        steps = [step for step, _ in probe.counts]
-        local = torch.stack([c for _, c in probe.counts])
+        ep2_counts = [(step, c) for step, c in probe.counts if step is not None and step[0] == "ep2"]
+        steps = [step for step, _ in ep2_counts]
+        local = torch.stack([c for _, c in ep2_counts])
         every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(every, local)
         counts = torch.stack(every, dim=1)  # [dispatch calls, ranks, experts]
@@ -573,6 +597,9 @@ def ep_worker(args: argparse.Namespace) -> None:
             # Rows this rank's experts ran, per dispatch, over the rows of a balanced split.
             "expert_rows_over_balanced": [float(counts[:, :, own].sum() / assignments.sum())],
             "unprobed_calls": sum(1 for c in probe.calls if c["step"] is None),
+            "async_calls_per_step": {
+                name: sum(1 for c in probe.calls if c["step"] == (name, args.ep_warmup) and c["async"]) for name in a2a
+            },
         })  # fmt: skip
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -632,11 +659,11 @@ def ep_main(args: argparse.Namespace) -> None:
     progress.print(f"torch {torch.__version__}, {cores} cores, load average (1 min) {load_at_start:.2f}")
     with tempfile.TemporaryDirectory(prefix="bench_dist_ep_") as tmp:
         work = Path(tmp)
-        progress.print(f"step time: {NPROC} workers x {threads} thread(s), ep1 and ep2 alternating, "
+        progress.print(f"step time: {NPROC} workers x {threads} thread(s), {', '.join(EP_LAYOUTS)} alternating, "
                        f"{args.ep_warmup} + {args.ep_steps} steps each ...")  # fmt: skip
         timing = ep_run(args, threads, work, list(EP_LAYOUTS), args.ep_steps, args.ep_warmup, "ep-timing")
         memory = {}
-        for name in EP_LAYOUTS:
+        for name in EP_MEMORY:
             progress.print(f"peak memory: {name} alone, {args.ep_memory_steps} steps ...")
             memory[name] = ep_run(
                 args, threads, work, [name], args.ep_memory_steps, 0, f"ep-memory-{name}", MEMORY_RUN_ENV
@@ -653,7 +680,8 @@ def ep_main(args: argparse.Namespace) -> None:
     }
     show_ep(results)
     headline = {key: results[key] for key in ("model", "threads_per_rank", "median_step_s", "ratio_ep2_over_ep1",
-                                              "a2a", "memory", "checks", "wall_s")}  # fmt: skip
+                                              "ratio_ep2_over_ep2_blocking", "a2a", "memory", "checks",
+                                              "wall_s")}  # fmt: skip
     print(json.dumps(headline), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
@@ -670,14 +698,21 @@ def ep_results(timing: dict, memory: dict[str, dict]) -> dict:
     ranks = timing["ranks"]
     warmup = timing["warmup_steps"]
 
-    a2a_by_rank = []
+    a2a_by_rank, a2a_blocking_by_rank = [], []
     for r in ranks:
-        per_step = r["a2a_per_step"]
+        per_step = r["a2a_per_step"]["ep2"]
         keys = per_step[0].keys()
         figures = {key: statistics.median(step[key] for step in per_step) for key in keys}
         figures["share_of_ep2_step"] = statistics.median(
             step["seconds"] / s for step, s in zip(per_step, step_s["ep2"])
         )
+        figures["async_calls_per_step"] = r["async_calls_per_step"]["ep2"]
+        blocking = r["a2a_per_step"]["ep2_blocking"]
+        a2a_blocking_by_rank.append({key: statistics.median(step[key] for step in blocking) for key in keys} | {
+            "share_of_ep2_blocking_step": statistics.median(
+                step["seconds"] / s for step, s in zip(blocking, step_s["ep2_blocking"])),
+            "async_calls_per_step": r["async_calls_per_step"]["ep2_blocking"],
+        })  # fmt: skip
         figures["row_bytes_sent_measured_total"] = sum(r["row_bytes_sent_per_step"])
         figures["row_bytes_sent_expected_total"] = sum(r["row_bytes_sent_expected_per_step"])
         figures["row_bytes_received_measured_total"] = sum(r["row_bytes_received_per_step"])
@@ -689,7 +724,7 @@ def ep_results(timing: dict, memory: dict[str, dict]) -> dict:
         a2a_by_rank.append(figures)
     # A rank that reaches an all-to-all first waits there for the other: the rank that waited
     # least in a step is the nearer to the exchanges' own cost.
-    least = [min(steps) for steps in zip(*([step["seconds"] for step in r["a2a_per_step"]] for r in ranks))]
+    least = [min(steps) for steps in zip(*([step["seconds"] for step in r["a2a_per_step"]["ep2"]] for r in ranks))]
     a2a_least = {
         "seconds": statistics.median(least),
         "share_of_ep2_step": statistics.median(s / t for s, t in zip(least, step_s["ep2"])),
@@ -709,6 +744,7 @@ def ep_results(timing: dict, memory: dict[str, dict]) -> dict:
     first_losses = {name: [r["losses"][name][0] for r in ranks] for name in step_s}
     loss_diff = max(abs(a - b) for a, b in zip(first_losses["ep1"], first_losses["ep2"]))
     second_diff = max(abs(r["losses"]["ep1"][1] - r["losses"]["ep2"][1]) for r in ranks)
+    overlap_identical = all(r["losses"]["ep2"] == r["losses"]["ep2_blocking"] for r in ranks)
     bytes_exact = all(
         r["row_bytes_sent_per_step"] == r["row_bytes_sent_expected_per_step"]
         and r["row_bytes_received_per_step"] == r["row_bytes_received_expected_per_step"]
@@ -744,8 +780,13 @@ def ep_results(timing: dict, memory: dict[str, dict]) -> dict:
             "paired_min": min(paired),
             "paired_max": max(paired),
         },
+        "ratio_ep2_over_ep2_blocking": {
+            "of_medians": median["ep2"] / median["ep2_blocking"],
+            "paired_median": statistics.median(b / a for a, b in zip(step_s["ep2_blocking"], step_s["ep2"])),
+        },
         "a2a": {
             "by_rank": a2a_by_rank,
+            "blocking_by_rank": a2a_blocking_by_rank,
             "least_over_ranks": a2a_least,
             "replayed_alone": a2a_replayed,
             "uniform_estimate_bytes_sent_per_step": uniform,
@@ -759,6 +800,11 @@ def ep_results(timing: dict, memory: dict[str, dict]) -> dict:
             "bytes_measured_equal_expected": bytes_exact,
             "assignments_per_dispatch": all(r["assignments_per_dispatch"] == [expected_assignments] for r in ranks),
             "every_a2a_in_a_step": all(r["unprobed_calls"] == 0 for r in ranks),
+            # ep2 starts its 4 row exchanges per MoE layer in the background, ep2_blocking none.
+            "ep2_overlaps_every_row_exchange": all(
+                r["async_calls_per_step"]["ep2"] == 4 * timing["moe_layers"]
+                and r["async_calls_per_step"]["ep2_blocking"] == 0 for r in ranks),
+            "ep2_losses_equal_blocking_every_step": overlap_identical,
         },
         "raw_timing": timing,
         "raw_memory": memory,
@@ -786,6 +832,10 @@ def show_ep(results: dict) -> None:
     )
     steps.add_row("ep1 (dp_shard=2)", f"{median['ep1'] * 1e3:,.0f} ms")
     steps.add_row("ep2 (dp_shard=2, ep=2)", f"{median['ep2'] * 1e3:,.0f} ms")
+    steps.add_row("ep2_blocking (the same, dist.ep_overlap=false)", f"{median['ep2_blocking'] * 1e3:,.0f} ms")
+    blocking_ratio = results["ratio_ep2_over_ep2_blocking"]
+    steps.add_row("ep2 / ep2_blocking, of the medians; step by step, median",
+                  f"{blocking_ratio['of_medians']:.3f}; {blocking_ratio['paired_median']:.3f}")
     steps.add_row("ep2 / ep1, of the medians", f"{ratio['of_medians']:.3f}")
     steps.add_row(
         "ep2 / ep1, step by step: median [range]",
@@ -798,7 +848,8 @@ def show_ep(results: dict) -> None:
     )
     console.print(steps)
 
-    a2a = Table(title="ep2: all-to-alls per step (medians over the timed steps), per rank")
+    a2a = Table(title="ep2: all-to-alls per step (medians over the timed steps), per rank; "
+                "time: what the training thread spends in them (starting and waiting, when overlapped)")
     a2a.add_column("")
     by_rank = results["a2a"]["by_rank"]
     for r in range(len(by_rank)):
@@ -813,6 +864,11 @@ def show_ep(results: dict) -> None:
     row("  rows, forward (out + back)", lambda f: f"{f['rows_forward_s'] * 1e3:,.1f} ms")
     row("  rows, backward (out + back)", lambda f: f"{f['rows_backward_s'] * 1e3:,.1f} ms")
     row("share of the ep2 step", lambda f: f"{f['share_of_ep2_step']:.1%}")
+    blocking = results["a2a"]["blocking_by_rank"]
+    a2a.add_row("ep2_blocking: time in all-to-alls", *(
+        f"{f['seconds'] * 1e3:,.1f} ms = {f['share_of_ep2_blocking_step']:.1%}" for f in blocking))
+    a2a.add_row("  of which rows (forward + backward)", *(
+        f"{(f['rows_forward_s'] + f['rows_backward_s']) * 1e3:,.1f} ms" for f in blocking))
     least = results["a2a"]["least_over_ranks"]
     a2a.add_row(
         "the rank that waited least, step by step",

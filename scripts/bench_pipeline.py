@@ -25,8 +25,10 @@ stages and free transfers.
 `--netns`: the same workers, rank 0 on emulated host 0 and rank 1 on host 1
 (scripts/cluster/netns_cluster.sh; one pipeline stage per host), once per link rate in
 `--rates` (Mbit/s, 0 = unlimited), the layouts ddp, fsdp, fsdp_own (FSDP in its own
-prefetch order: `dist.fsdp_prefetch=0 dist.fsdp_keep_last_gathered=false`) and pp_1f1b; each step time is
-reported over the same layout's on the unlimited link.
+prefetch order: `dist.fsdp_prefetch=0 dist.fsdp_keep_last_gathered=false`), ep2 (FSDP with
+`dist.ep=2`: the tokens cross the link instead of the experts' weights), ep2_blocking (the
+same, `dist.ep_overlap=false`) and pp_1f1b; each step time is reported over the same
+layout's on the unlimited link.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ from ciuic_train.train.trainer import Trainer
 
 NPROC = 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
-# fsdp_own: FSDP in its own prefetch order (dist.fsdp_prefetch=0, the last block resharded), beside the default.
-NETNS_LAYOUTS = ("ddp", "fsdp", "fsdp_own", "pp_1f1b")
+# fsdp_own: FSDP in its own prefetch order (dist.fsdp_prefetch=0, the last block resharded), beside the default;
+# ep2: FSDP with the routed experts split over the 2 ranks, ep2_blocking the same with blocking token exchanges.
+NETNS_LAYOUTS = ("ddp", "fsdp", "fsdp_own", "ep2", "ep2_blocking", "pp_1f1b")
 NETNS_CLUSTER = Path(__file__).resolve().parent / "cluster" / "netns_cluster.sh"
 progress = results_console()
 
@@ -70,6 +73,9 @@ def layout_overrides(name: str, batch_size: int, microbatches: int) -> list[str]
     if name == "fsdp_own":
         return [*layout_overrides("fsdp", batch_size, microbatches), "dist.fsdp_prefetch=0",
                 "dist.fsdp_keep_last_gathered=false"]
+    if name.startswith("ep2"):
+        overlap = "false" if name == "ep2_blocking" else "true"
+        return [*layout_overrides("fsdp", batch_size, microbatches), f"dist.ep={NPROC}", f"dist.ep_overlap={overlap}"]
     schedule = name.removeprefix("pp_")
     per_rank = 1 if schedule in ONE_STAGE_PER_RANK else 2
     return [f"train.batch_size={NPROC * batch_size}", f"dist.pp={NPROC}", f"dist.pp_schedule={schedule}",

@@ -168,6 +168,16 @@ def test_expert_parallel_on_two_ranks_trains_as_one_process(expert_parallel, sin
 
 
 @pytest.mark.slow
+def test_blocking_token_exchanges_end_bit_identical_to_overlapped_ones(workdir, expert_parallel):
+    """dist.ep_overlap=false: the shared experts wait for the exchanges instead of running
+    beside them; every sum is the same, in the same order."""
+    run_dir = train(workdir, "ep2_blocking", 2, 4, "dist.dp_shard=2", "dist.ep=2", "dist.ep_overlap=false",
+                    "sample.max_new_tokens=16")  # fmt: skip
+    assert summary(run_dir)["param_checksum"] == summary(expert_parallel)["param_checksum"]
+    assert [m["loss"] for m in metrics(run_dir)] == [m["loss"] for m in metrics(expert_parallel)]
+
+
+@pytest.mark.slow
 def test_hsdp_with_expert_parallelism_on_four_ranks_trains_as_one_process(workdir, single, tmp_path):
     run_dir = train(workdir, "hsdp_ep", 4, 2, "dist.dp_replicate=2", "dist.dp_shard=2", "dist.ep=2")
     assert_same_training(run_dir, single, tmp_path)

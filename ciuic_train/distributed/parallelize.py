@@ -74,7 +74,7 @@ def parallelize(
     hook_trick = comm_hook.trick if comm_hook is not None else None
     refuse_comm_hook(hook_trick, mesh.shape, config.train.log_grad_consistency)
     if mesh.shape.ep > 1:
-        split_experts(model, mesh.experts())
+        split_experts(model, mesh.experts(), overlap=config.dist.ep_overlap)
     if config.activation_checkpointing:
         for block in model.blocks():
             checkpoint_activations(block)

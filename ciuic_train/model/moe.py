@@ -26,7 +26,11 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.hidden(x))
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(w1 x) * w3 x: the first half, which expert parallelism runs apart from the second."""
+        return F.silu(self.w1(x)) * self.w3(x)
 
 
 class MoE(nn.Module):
@@ -57,6 +61,9 @@ class MoE(nn.Module):
         # The weighted balance losses of the last training forward ({} when both are off).
         self.balance_loss: dict[str, torch.Tensor] = {}
         self.routed_experts = kernels.routed_experts
+        # Expert parallelism's ExpertDispatch (ciuic_train/distributed/expert_parallel.py), set
+        # when the routed experts are split over ranks.
+        self.dispatch = None
         self.gate = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
         # Stacked over experts for one grouped matmul; w13 holds each expert's gate (w1)
         # and up (w3) projections as one [2 * hidden, dim] matrix, so both take one product.
@@ -148,11 +155,20 @@ class MoE(nn.Module):
         )  # [E]
         if self.training:
             self.tokens_per_expert += counts
-        routed = self.routed_experts(x.index_select(0, token_of_assignment), counts, self.w13, self.w2)
+        routed, shared = self.experts(x.index_select(0, token_of_assignment), counts, x)
         routed = routed * weights.flatten()[order].unsqueeze(-1)  # [N * k, dim]
         # The routed outputs add into the shared experts' output in place.
-        y = self.shared_experts(x).to(x.dtype) if self.shared_experts is not None else torch.zeros_like(x)
+        y = shared.to(x.dtype) if shared is not None else torch.zeros_like(x)
         return y.index_add_(0, token_of_assignment, routed.type_as(x)).view(shape)
+
+    def experts(self, rows: torch.Tensor, counts: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed experts' outputs for the expert-sorted rows, and the shared experts'
+        for the tokens x (None without shared experts). Under expert parallelism `dispatch`
+        sends the rows to their experts' ranks and back, the shared experts running meanwhile."""
+        if self.dispatch is not None:
+            return self.dispatch(rows, counts, self.w13, self.w2, self.routed_experts, x, self.shared_experts)
+        routed = self.routed_experts(rows, counts, self.w13, self.w2)
+        return routed, self.shared_experts(x) if self.shared_experts is not None else None
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:

@@ -266,13 +266,10 @@ def prepare_rank(model: nn.Module, cuda: bool) -> bool:
             module.attention = fast_attention.padded_sdpa
         if not isinstance(module, MoE):
             continue
-        kernel = module.routed_experts
-        if isinstance(kernel, ExpertDispatch):
-            kernel.split_sizes = functools.partial(_uniform_split_sizes, kernel.ep_size)
-            if cuda:
-                kernel.local_kernel = _cuda_routed_experts
+        if isinstance(module.dispatch, ExpertDispatch):
+            module.dispatch.split_sizes = functools.partial(_uniform_split_sizes, module.dispatch.ep_size)
             uniform = True
-        elif cuda:
+        if cuda:
             module.routed_experts = _cuda_routed_experts
     return uniform
 
