@@ -56,9 +56,9 @@ def recorded_events(model: Transformer, monkeypatch) -> list[str]:
     events: list[str] = []
     start, wait = expert_parallel.RowExchange.start, expert_parallel.RowExchange.wait
 
-    def logged_start(self, *args):
+    def logged_start(self, *args, **kwargs):
         events.append("start")
-        return start(self, *args)
+        return start(self, *args, **kwargs)
 
     def logged_wait(self):
         events.append("wait")

@@ -75,7 +75,9 @@ class RowExchange:
         self.sent: torch.Tensor | None = None  # kept alive until the exchange is done
         self.arriving: torch.Tensor | None = None
 
-    def start(self, x: torch.Tensor, receive: list[int], send: list[int]) -> None:
+    def start(self, x: torch.Tensor, reverse: bool = False) -> None:
+        """Send x's rows away in the background (`reverse`: back where they came from)."""
+        receive, send = (self.send, self.receive) if reverse else (self.receive, self.send)
         self.sent = x.contiguous()
         self.arriving = x.new_empty(sum(receive), *x.shape[1:])
         self.work = dist.all_to_all_single(self.arriving, self.sent, receive, send, group=self.group, async_op=True)
@@ -92,7 +94,7 @@ class _Launch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, exchange: RowExchange) -> torch.Tensor:
         ctx.exchange = exchange
-        exchange.start(x, exchange.receive, exchange.send)
+        exchange.start(x)
         return exchange.arriving  # being filled: only _Land reads it, after waiting
 
     @staticmethod
@@ -108,7 +110,7 @@ class _Land(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.exchange.start(grad, ctx.exchange.send, ctx.exchange.receive)
+        ctx.exchange.start(grad, reverse=True)
         # Autograd wants a gradient shaped like the rows that arrived, which `grad` is;
         # _Launch.backward passes on the reverse exchange's result in its place.
         return grad, None
