@@ -88,9 +88,11 @@ def test_a_window_of_two_documents_has_the_loss_of_each_alone(kernels, restart):
     extra = {"docs": docs, "positions": document_positions(docs)} if restart else {"docs": docs}
     together = model(inputs, targets, reduction="sum", **extra)
     alone = model(inputs[:, :13], targets[:, :13], reduction="sum") + model(inputs[:, 13:], targets[:, 13:], reduction="sum")
-    torch.testing.assert_close(together, alone, rtol=1e-10, atol=0)
-    # Without the mask, the second document sees the first: a different loss.
-    assert abs(model(inputs, targets, reduction="sum") - alone) > 1e-6
+    # The loss is fp32 (the logits are cast): a sum of 40 terms and one of 13 + 27 may round
+    # apart by a few ulps (they do on an AVX2 CPU, not on an AVX-512 one), nothing more.
+    torch.testing.assert_close(together, alone, rtol=1e-6, atol=0)
+    # Without the mask, the second document sees the first: a different loss (by 0.45%).
+    assert abs(model(inputs, targets, reduction="sum") - alone) > 1e-3 * alone
 
 
 def test_the_index_gives_each_windows_documents_across_files_and_a_tail():
