@@ -8,11 +8,17 @@ process, so machine noise lands on both sides and their ratio is the trainer's o
     python scripts/bench.py [--model small] [--steps 20] [--rounds 3] [--batch-size 8]
                             [--seq-len 256] [--precision fp32|bf16] [--json OUT]
                             [--device cpu|cuda] [--override KEY=VALUE ...]
-                            [--mtp-depths N] [--datasheet-tflops 989]
+                            [--mtp-depths N] [--datasheet-tflops 989] [--fp32-gemm]
 
 `--mtp-depths N` adds a side-by-side comparison of the bare loop without multi-token
 prediction and with N MTP depths (`model.n_mtp_layers`), in alternating rounds, with the
 FLOPs per token each counts.
+
+`--fp32-gemm` adds the bare loop with the model's linear layers on MKL (what `F.linear`
+runs), on what `model.kernels=auto` chooses here, and on oneDNN (`CIUIC_FP32_GEMM=mkl|
+auto|onednn`, ciuic_train/model/kernels/gemm_choice.py), in rotating rounds, with the
+GFLOP/s each reaches against both backends' square fp32 peaks, and the choice. Under
+bf16 autocast the linears take neither backend's fp32 path (the sides should tie).
 """
 
 from __future__ import annotations
@@ -173,6 +179,66 @@ def mtp_table(figures: dict, peak_flops: float) -> Table:
     return table
 
 
+def gemm_side_by_side(args: argparse.Namespace, config: Config, flops: float) -> dict:
+    """Bare-loop tokens/s with the linears' fp32 GEMMs on MKL, as `auto` chooses, and on
+    oneDNN, in rotating rounds; GFLOP/s against each backend's square fp32 peak; what `auto` chooses."""
+    from dataclasses import asdict
+
+    from ciuic_train.model.kernels import gemm_choice
+
+    def use(backend: str | None) -> None:
+        if backend in (None, "auto"):
+            os.environ.pop(gemm_choice.ENV, None)
+        else:
+            os.environ[gemm_choice.ENV] = backend
+        gemm_choice.fp32_gemm_plan.cache_clear()
+
+    previous = os.environ.get(gemm_choice.ENV)
+    sides = ("mkl", "auto", "onednn")
+    figures = {side: {"tokens_per_s": []} for side in sides}
+    peaks = {"mkl": max(matmul_peak(torch.float32).values()),  # a @ b^T by oneDNN: the same FLOPs
+             "onednn": max(matmul_peak(torch.float32, mm=gemm_choice.onednn_mm_nt).values())}
+    try:
+        for side in sides:
+            use(side)
+            bare_tokens_per_s(config, WARMUP_STEPS)
+        for i in range(args.rounds):
+            for side in sides[i % 3:] + sides[:i % 3]:
+                use(side)
+                figures[side]["tokens_per_s"].append(bare_tokens_per_s(config, args.steps))
+            progress.print(f"fp32 GEMM round {i + 1}/{args.rounds}: " + ", ".join(
+                f"{side} {figures[side]['tokens_per_s'][-1]:,.0f} tok/s" for side in sides))
+        use(None)
+        figures["auto_chooses"] = asdict(gemm_choice.fp32_gemm_plan())
+    finally:
+        use(previous)
+    for side in sides:
+        median = statistics.median(figures[side]["tokens_per_s"])
+        figures[side]["median_tokens_per_s"] = median
+        figures[side]["gflops"] = median * flops / 1e9
+    figures["square_peak_gflops"] = peaks
+    for side in ("auto", "onednn"):
+        figures[f"{side}_over_mkl"] = figures[side]["median_tokens_per_s"] / figures["mkl"]["median_tokens_per_s"]
+    return figures
+
+
+def gemm_table(figures: dict, precision: str) -> Table:
+    peaks = figures["square_peak_gflops"]
+    table = Table(title=f"bare loop, {precision}, linears on MKL, as auto chooses, on oneDNN; rotating rounds")
+    for column in ("linears", "tokens/s (median)", "GFLOP/s", f"% MKL peak {peaks['mkl']:.0f}",
+                   f"% oneDNN peak {peaks['onednn']:.0f}"):
+        table.add_column(column, justify="right")
+    for side in ("mkl", "auto", "onednn"):
+        rate = figures[side]["gflops"]
+        table.add_row(side, f"{figures[side]['median_tokens_per_s']:,.0f}", f"{rate:.1f}",
+                      f"{rate / peaks['mkl']:.1%}", f"{rate / peaks['onednn']:.1%}")
+    for side in ("auto", "onednn"):
+        table.add_row(f"{side} / mkl", f"{figures[f'{side}_over_mkl']:.3f}", "", "", "")
+    chosen = ", ".join(f"{product} {'oneDNN' if on else 'MKL'}" for product, on in figures["auto_chooses"].items())
+    table.caption = f"auto chooses: {chosen}"
+    return table
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -197,6 +263,8 @@ def parse_args() -> argparse.Namespace:
                         help="also give MFU against this datasheet peak, e.g. 989 (H100/H200 SXM dense bf16)")
     parser.add_argument("--mtp-depths", type=int, default=0,
                         help="also time the bare loop with this many MTP depths against none, side by side")
+    parser.add_argument("--fp32-gemm", action="store_true",
+                        help="also time the bare loop with the linears on MKL and on oneDNN, side by side")
     parser.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE",
         help="a config override for both sides, e.g. model.dim=1024 (repeatable; applied last)",
@@ -298,6 +366,9 @@ def main() -> None:
     if args.mtp_depths:
         results["mtp"] = mtp_side_by_side(args, config)
         console.print(mtp_table(results["mtp"], peak_flops))
+    if args.fp32_gemm:
+        results["fp32_gemm"] = gemm_side_by_side(args, config, flops)
+        console.print(gemm_table(results["fp32_gemm"], args.precision))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(summary_line(results))

@@ -5,6 +5,7 @@ in fp32 (to float rounding) and under bf16 autocast (to bf16's); the whole model
 too. Written-out formulas here are the independent oracle both paths are held to.
 """
 
+import json
 from functools import partial
 from unittest import mock
 from pathlib import Path
@@ -19,7 +20,8 @@ from ciuic_train.model.attention import causal_attention
 from ciuic_train.model.common import grouped_mm_supported, grouped_swiglu
 from ciuic_train.model.norm import rms_norm
 from ciuic_train.model.transformer import REFERENCE, kernels_for, lm_cross_entropy
-from ciuic_train.model.kernels import AUTO, attention, loss, moe, norm
+from ciuic_train.model.kernels import AUTO, attention, gemm_choice, loss, moe, norm
+from ciuic_train.model.kernels import linear as linear_kernel
 from ciuic_train.model.kernels.softmax import softmax_fp32
 
 REPO = Path(__file__).parents[1]
@@ -32,22 +34,47 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
     return Transformer(ModelConfig(**{**fields, **overrides}))
 
 
+@pytest.fixture
+def fp32_gemm(request, monkeypatch):
+    """`CIUIC_FP32_GEMM` set to the test's parameter ("measured": unset), the choice remade."""
+    if request.param == "measured":
+        monkeypatch.delenv(gemm_choice.ENV, raising=False)
+    else:
+        monkeypatch.setenv(gemm_choice.ENV, request.param)
+    gemm_choice.fp32_gemm_plan.cache_clear()
+    yield request.param
+    gemm_choice.fp32_gemm_plan.cache_clear()
+
+
+def onednn_calls(monkeypatch) -> list:
+    """Each call of torch's oneDNN linear operator from here on, recorded."""
+    calls, op = [], torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or op(*a))
+    return calls
+
+
 def test_the_switch_picks_the_table():
     assert kernels_for("reference") is REFERENCE and kernels_for("auto") is AUTO
-    for field in ("rms_norm", "attention", "routed_experts", "loss"):
+    for field in ("rms_norm", "attention", "routed_experts", "loss", "linear"):
         assert getattr(AUTO, field) is not getattr(REFERENCE, field), field
     model = tiny_model(kernels="reference")
     assert model.layers[0].attn_norm.kernel is rms_norm
     assert model.layers[1].ffn.routed_experts is grouped_swiglu
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    # per block 4 attention projections, then 3 in the dense FFN or the MoE's gate and 3 shared; the head
+    assert len(linears) == 4 + 3 + 4 + 4 + 1 and all(m.kernel is F.linear for m in linears)
+    assert all(m.kernel is linear_kernel.linear for m in tiny_model().modules() if isinstance(m, torch.nn.Linear))
 
 
 # --- the whole model ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fp32_gemm", ["measured", "onednn"], indirect=True)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("q_lora_rank", [0, 24])
-def test_auto_and_reference_models_agree_forward_and_grads(precision, q_lora_rank):
-    """Same weights, either kernel set: the same logits, loss and every gradient."""
+def test_auto_and_reference_models_agree_forward_and_grads(precision, q_lora_rank, fp32_gemm):
+    """Same weights, either kernel set: the same logits, loss and every gradient (with the
+    fp32 linears on the backend measured faster here, and on oneDNN)."""
     idx = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(2))  # two attention blocks
     targets = idx.roll(-1, dims=1)
     targets[0, 5:9] = -100
@@ -93,6 +120,24 @@ def test_the_reference_model_runs_no_kernel_and_auto_runs_each_on_cpu(monkeypatc
         with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: where the MoE pads its groups
             tiny_model(kernels=kernels)(idx, idx).backward()
         assert set(calls) == (set() if kernels == "reference" else {"rms_norm", "attention", "loss", "padded_groups"})
+
+
+@pytest.mark.parametrize("fp32_gemm", ["onednn"], indirect=True)
+def test_only_auto_in_fp32_runs_the_linears_through_onednn(monkeypatch, fp32_gemm):
+    """With oneDNN chosen, a training step of the reference model never calls its linear
+    operator, nor does auto under bf16 autocast; auto in fp32 calls it in every linear."""
+    calls = onednn_calls(monkeypatch)
+    idx = torch.randint(0, 256, (2, 16))
+    # A step: 15 linears' forward and input gradient (the loss takes the head's weight
+    # itself); the logits: all 16 linears' forward.
+    for kernels, autocast, expected in (("reference", False, 0), ("auto", True, 0), ("reference", True, 0),
+                                        ("auto", False, 15 + 15 + 16)):
+        calls.clear()
+        model = tiny_model(kernels=kernels)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(idx, idx).backward()
+            model(idx)
+        assert len(calls) == expected, (kernels, autocast)
 
 
 # --- RMSNorm --------------------------------------------------------------------------------
@@ -348,3 +393,167 @@ def test_loss_without_grad_matches_and_keeps_nothing():
         expected = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
     assert value.grad_fn is None
     torch.testing.assert_close(value, expected)
+
+
+# --- the linear layers ------------------------------------------------------------------------
+
+
+def linear_operands(shape: tuple, contiguous: bool, generator: torch.Generator):
+    x = torch.randn(*shape[:-1], 2 * shape[-1], generator=generator)
+    x = (x[..., ::2] if not contiguous else x[..., : shape[-1]].contiguous()).detach().requires_grad_()
+    weight = torch.randn(40, shape[-1], generator=generator, requires_grad=True)
+    return x, weight
+
+
+@pytest.mark.parametrize(
+    "plan", [gemm_choice.ONEDNN, gemm_choice.GemmPlan(grad_weight=True), gemm_choice.GemmPlan(forward=True)],
+    ids=["onednn", "onednn weight grad", "onednn forward"],
+)
+@pytest.mark.parametrize("shape", [(30, 24), (3, 10, 24)], ids=["2-D", "3-D"])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_onednn_linear_matches_f_linear_forward_and_grads(plan, shape, contiguous, monkeypatch):
+    """Each product by either backend is x @ w^T's, to fp32 rounding, for strided x too."""
+    calls = onednn_calls(monkeypatch)
+    x, weight = linear_operands(shape, contiguous, torch.Generator().manual_seed(0))
+    assert x.is_contiguous() == contiguous
+    grad_out = torch.randn(*shape[:-1], 40, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(linear_kernel, "fp32_gemm_plan", lambda: plan)
+    out = linear_kernel.linear(x, weight)
+    got = (out, *torch.autograd.grad(out, (x, weight), grad_out))
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    out64 = F.linear(x64, w64)
+    expected = (out64, *torch.autograd.grad(out64, (x64, w64), grad_out.double()))
+    assert got[0].shape == expected[0].shape and got[1].shape == x.shape
+    for a, b in zip(got, expected):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+    assert len(calls) == plan.forward + plan.grad_input
+
+
+@pytest.mark.parametrize("needs", ["x", "weight", "neither"])
+def test_onednn_linear_gives_only_the_gradients_asked_for(needs):
+    x, weight = linear_operands((8, 12), True, torch.Generator().manual_seed(0))
+    x.requires_grad_(needs == "x")
+    weight.requires_grad_(needs == "weight")
+    out = linear_kernel.OneDNNLinear.apply(x, weight, gemm_choice.ONEDNN)
+    torch.testing.assert_close(out, F.linear(x, weight))
+    assert out.requires_grad == (needs != "neither")
+    if needs == "neither":
+        assert out.grad_fn is None
+        return
+    out.sum().backward()
+    assert (x.grad is not None) == (needs == "x") and (weight.grad is not None) == (needs == "weight")
+    torch.testing.assert_close((x if needs == "x" else weight).grad,
+                               torch.ones(8, 40) @ weight if needs == "x" else torch.ones(8, 40).T @ x)
+
+
+@pytest.mark.parametrize("fp32_gemm", ["onednn"], indirect=True)
+def test_the_linear_kernel_leaves_what_is_not_eager_fp32_on_cpu_to_f_linear(monkeypatch, fp32_gemm):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = onednn_calls(monkeypatch)
+    x, weight = torch.randn(6, 8), torch.randn(4, 8)
+    torch.testing.assert_close(linear_kernel.linear(x, weight), F.linear(x, weight))
+    assert len(calls) == 1  # forced on: fp32 on CPU goes through oneDNN
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear_kernel.linear(x, weight).dtype == torch.bfloat16
+    assert linear_kernel.linear(x.bfloat16(), weight.bfloat16()).dtype == torch.bfloat16
+    assert linear_kernel.linear(x.double(), weight.double()).dtype == torch.float64
+    assert linear_kernel.linear(x.to("meta"), weight.to("meta")).shape == (6, 4)
+    with FakeTensorMode():  # what `--plan --simulate` runs the model in
+        assert linear_kernel.linear(torch.empty(6, 8), torch.empty(4, 8)).shape == (6, 4)
+    with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
+        linear_kernel.linear(x, weight)
+    precision = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # oneDNN may round fp32 to bf16: MKL stays exact
+    try:
+        linear_kernel.linear(x, weight)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = precision
+    assert calls == []
+
+
+def test_the_linear_kernel_is_f_linear_where_mkl_wins_every_product(monkeypatch):
+    monkeypatch.setattr(linear_kernel, "fp32_gemm_plan", lambda: gemm_choice.MKL)
+    apply = mock.Mock(side_effect=linear_kernel.OneDNNLinear.apply)
+    monkeypatch.setattr(linear_kernel.OneDNNLinear, "apply", apply)
+    x, weight = torch.randn(6, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    linear_kernel.linear(x, weight).sum().backward()
+    apply.assert_not_called()
+
+
+# --- which fp32 GEMM backend --------------------------------------------------------------------
+
+
+@pytest.fixture
+def gemm_cache(tmp_path, monkeypatch):
+    """An empty cache folder, no forced backend, and a stand-in measurement that counts its calls."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm_choice.ENV, raising=False)
+    monkeypatch.setattr(gemm_choice, "onednn_available", lambda: True)
+    measured = mock.Mock(return_value=({"forward": 2.2, "grad_input": 1.3, "grad_weight": 1.1}, 0.98))
+    monkeypatch.setattr(gemm_choice, "measure", measured)
+    return tmp_path / "ciuic-train" / gemm_choice.CACHE_FILE, measured
+
+
+def test_the_choice_is_measured_once_and_cached_per_machine(gemm_cache, monkeypatch):
+    path, measured = gemm_cache
+    plan = gemm_choice.choose()
+    assert plan == gemm_choice.GemmPlan(forward=True, grad_input=True, grad_weight=False)  # 1.1 is within the margin
+    entries = json.loads(path.read_text())
+    assert list(entries) == [gemm_choice.machine_key()]
+    assert entries[gemm_choice.machine_key()]["mkl_over_onednn"]["forward"] == 2.2
+    assert gemm_choice.choose() == plan and measured.call_count == 1  # read back, not measured again
+    monkeypatch.setattr(gemm_choice, "machine_key", lambda: "another CPU")
+    measured.return_value = ({"forward": 0.9, "grad_input": 0.85, "grad_weight": 0.6}, 0.98)
+    assert gemm_choice.choose() == gemm_choice.MKL and measured.call_count == 2
+    assert len(json.loads(path.read_text())) == 2  # both machines kept
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"%s": {"forward": true}}'])
+def test_a_corrupt_cache_is_measured_again_and_rewritten(gemm_cache, content):
+    path, measured = gemm_cache
+    path.parent.mkdir(parents=True)
+    path.write_text(content.replace("%s", gemm_choice.machine_key()))
+    assert gemm_choice.choose().forward and measured.call_count == 1
+    assert json.loads(path.read_text())[gemm_choice.machine_key()]["grad_input"] is True
+
+
+@pytest.mark.parametrize(("vendor", "flags", "expected"), [
+    ("AuthenticAMD", {"avx2", "avx512f"}, gemm_choice.ONEDNN),
+    ("AuthenticAMD", {"avx2"}, gemm_choice.MKL),
+    ("GenuineIntel", {"avx2", "avx512f", "amx_tile"}, gemm_choice.MKL),
+])
+def test_a_disturbed_measurement_decides_nothing_and_is_not_cached(gemm_cache, monkeypatch, vendor, flags, expected):
+    """Other jobs on the cores can make either backend look faster: take what is known of the
+    CPU (oneDNN only on an AMD CPU with AVX-512), measure again next time."""
+    path, measured = gemm_cache
+    monkeypatch.setattr(gemm_choice, "cpu_info", lambda: (vendor, "some CPU", flags))
+    disturbed = ({"forward": 2.2, "grad_input": 1.9, "grad_weight": 0.6}, 0.5)
+    measured.side_effect = [disturbed] * gemm_choice.TRIES
+    assert gemm_choice.choose() == expected and measured.call_count == gemm_choice.TRIES
+    assert not path.exists()
+    measured.side_effect = [disturbed, (disturbed[0], 0.97)]  # a quiet second try decides
+    assert gemm_choice.choose() == gemm_choice.GemmPlan(forward=True, grad_input=True)
+    assert json.loads(path.read_text())[gemm_choice.machine_key()]["cpu_share"] == 0.97
+
+
+@pytest.mark.parametrize(("value", "expected"), [("onednn", gemm_choice.ONEDNN), ("MKL", gemm_choice.MKL)])
+def test_the_environment_forces_the_backend_without_measuring(gemm_cache, monkeypatch, value, expected):
+    path, measured = gemm_cache
+    monkeypatch.setenv(gemm_choice.ENV, value)
+    assert gemm_choice.choose() == expected
+    measured.assert_not_called()
+    assert not path.exists()
+    monkeypatch.setenv(gemm_choice.ENV, "fast")
+    with pytest.raises(ValueError, match="CIUIC_FP32_GEMM"):
+        gemm_choice.choose()
+
+
+def test_the_measurement_times_both_backends(monkeypatch):
+    monkeypatch.setattr(gemm_choice, "SHAPES", ((64, 16, 8),))
+    ratios, share = gemm_choice.measure()
+    assert set(ratios) == {"forward", "grad_input", "grad_weight"}
+    assert all(0 < r < float("inf") for r in ratios.values()) and 0 < share

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ciuic_train.model.common import Kernels
+from ciuic_train.model.common import Kernels, Linear
 from ciuic_train.model.config import ModelConfig
 from ciuic_train.model.documents import document_causal_mask
 from ciuic_train.model.norm import RMSNorm
@@ -52,17 +52,17 @@ class MultiHeadLatentAttention(nn.Module):
         q_width = cfg.n_heads * self.qk_head_dim
         self.compress_q = cfg.q_lora_rank > 0
         if self.compress_q:
-            self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, kernels.linear)
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, kernels.rms_norm)
-            self.wq_b = nn.Linear(cfg.q_lora_rank, q_width, bias=False)
+            self.wq_b = Linear(cfg.q_lora_rank, q_width, kernels.linear)
         else:
-            self.wq = nn.Linear(cfg.dim, q_width, bias=False)
-        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+            self.wq = Linear(cfg.dim, q_width, kernels.linear)
+        self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, kernels.linear)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, kernels.rms_norm)
-        self.wkv_b = nn.Linear(
-            cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
+        self.wkv_b = Linear(
+            cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), kernels.linear
         )
-        self.wo = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.dim, bias=False)
+        self.wo = Linear(cfg.n_heads * cfg.v_head_dim, cfg.dim, kernels.linear)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None

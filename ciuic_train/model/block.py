@@ -45,7 +45,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
         self.attn = MultiHeadLatentAttention(cfg, kernels)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
-        self.ffn = MoE(cfg, kernels) if use_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
+        self.ffn = MoE(cfg, kernels) if use_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim, kernels.linear)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: torch.Tensor | None = None

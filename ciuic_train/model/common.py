@@ -1,7 +1,8 @@
 """What the reference model and its fast kernels (`model/kernels/`) share.
 
-The `Kernels` table the model computes its four costliest parts with, the loss's ignore
-index, the dtype matmuls run in, and the routed experts' grouped matmul: the reference
+The `Kernels` table the model computes its costliest parts with, the `Linear` layer that
+takes its product from it, the loss's ignore index, the dtype matmuls run in, and the
+routed experts' grouped matmul: the reference
 runs `grouped_swiglu`, and `kernels/moe.py` pads its groups and calls the same products.
 Both sides import from here, never from each other's files, so neither needs the other.
 """
@@ -13,6 +14,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.torch_version import TorchVersion
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss, as in F.cross_entropy
@@ -20,12 +22,27 @@ IGNORE_INDEX = -100  # targets with this value add nothing to the loss, as in F.
 
 @dataclass(frozen=True)
 class Kernels:
-    """The functions a model computes its four costliest parts with (see model/transformer.py)."""
+    """The functions a model computes its costliest parts with (see model/transformer.py)."""
 
     rms_norm: Callable  # (x, weight, eps) -> x normalised
     attention: Callable  # (q, k, v, scale, docs or None) -> causal attention (within documents)
     routed_experts: Callable  # (expert-sorted x, counts per expert, w13, w2) -> SwiGLU per expert
     loss: Callable  # (h [N, dim], lm head weight, targets [N], reduction) -> fp32 cross-entropy
+    linear: Callable  # (x [..., in], weight [out, in]) -> x @ weight^T, every `Linear` layer's product
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` without bias whose product is `kernel` (a `Kernels.linear`, F.linear by default).
+
+    Parameters, state_dict keys and `isinstance(module, nn.Linear)` are nn.Linear's.
+    """
+
+    def __init__(self, in_features: int, out_features: int, kernel: Callable = F.linear):
+        super().__init__(in_features, out_features, bias=False)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

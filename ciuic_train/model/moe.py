@@ -8,22 +8,24 @@ DeepSeek-V2's auxiliary losses.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ciuic_train.model.common import Kernels
+from ciuic_train.model.common import Kernels, Linear
 from ciuic_train.model.config import ModelConfig
 
 
 class SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x): the dense layers' feed-forward, and the MoE's shared experts."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, linear: Callable = F.linear):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w1 = Linear(dim, hidden_dim, linear)
+        self.w2 = Linear(hidden_dim, dim, linear)
+        self.w3 = Linear(dim, hidden_dim, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.hidden(x))
@@ -64,14 +66,14 @@ class MoE(nn.Module):
         # Expert parallelism's ExpertDispatch (ciuic_train/distributed/expert_parallel.py), set
         # when the routed experts are split over ranks.
         self.dispatch = None
-        self.gate = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
+        self.gate = Linear(cfg.dim, cfg.n_routed_experts, kernels.linear)
         # Stacked over experts for one grouped matmul; w13 holds each expert's gate (w1)
         # and up (w3) projections as one [2 * hidden, dim] matrix, so both take one product.
         n_experts, hidden, dim = cfg.n_routed_experts, cfg.moe_ffn_dim, cfg.dim
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.shared_experts = (
-            SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.moe_ffn_dim)
+            SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.moe_ffn_dim, kernels.linear)
             if cfg.n_shared_experts > 0
             else None
         )

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ciuic_train.model.block import Block
-from ciuic_train.model.common import Kernels
+from ciuic_train.model.common import Kernels, Linear
 from ciuic_train.model.config import ModelConfig
 from ciuic_train.model.norm import RMSNorm
 
@@ -27,7 +27,7 @@ class MultiTokenPrediction(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)
-        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.eh_proj = Linear(2 * cfg.dim, cfg.dim, kernels.linear)
         # MoE like the main model's later layers (V3's MTP block is an MoE layer).
         self.block = Block(cfg, use_moe=cfg.n_dense_layers < cfg.n_layers, kernels=kernels)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels.rms_norm)

@@ -1,16 +1,17 @@
 """A DeepSeek-V2/V3 style decoder: Multi-head Latent Attention plus DeepSeekMoE, in plain PyTorch.
 
-This file is the model: the loss, the table of the four costliest computations, and the
+This file is the model: the loss, the table of the costliest computations, and the
 `Transformer` (embedding, blocks, final norm, head, the multi-token-prediction depths,
 init, forward and the expert balancing step). Its parts live beside it, one to a file:
 `norm.py` (RMSNorm), `rope.py` and `yarn.py` (positions), `attention.py` (MLA), `moe.py`
 (the dense SwiGLU and the MoE), `block.py`, `mtp.py`; `counting.py` counts parameters and
 FLOPs, `sampling.py` samples.
 
-Most of a training step's time goes to four computations: the norms, the attention, the
-routed experts and the loss. Each is one plain function (`norm.rms_norm`,
-`attention.causal_attention`, `common.grouped_swiglu`, `lm_cross_entropy` here), gathered
-in `REFERENCE`. `model.kernels=auto` (the default) swaps in the fast versions from
+Most of a training step's time goes to four computations, the norms, the attention, the
+routed experts and the loss, and to the linear layers' matmuls around them. Each is one
+plain function (`norm.rms_norm`, `attention.causal_attention`, `common.grouped_swiglu`,
+`lm_cross_entropy` here, and `F.linear` for every `common.Linear`), gathered in
+`REFERENCE`. `model.kernels=auto` (the default) swaps in the fast versions from
 `ciuic_train/model/kernels/` where they serve the device; `model.kernels=reference` runs
 these formulas everywhere. Tests hold the two to the same results, forward and gradients.
 
@@ -34,7 +35,7 @@ from torch import nn
 
 from ciuic_train.model.attention import causal_attention
 from ciuic_train.model.block import Block, LayerStack
-from ciuic_train.model.common import IGNORE_INDEX, Kernels, grouped_swiglu
+from ciuic_train.model.common import IGNORE_INDEX, Kernels, Linear, grouped_swiglu
 from ciuic_train.model.config import ModelConfig
 from ciuic_train.model.init import ParameterInit
 from ciuic_train.model.kernels import AUTO
@@ -76,7 +77,7 @@ def with_gradient_of(value: torch.Tensor, terms: list[torch.Tensor]) -> torch.Te
     return value + (total - total.detach())  # adds their gradient, and exactly 0
 
 
-REFERENCE = Kernels(rms_norm, causal_attention, grouped_swiglu, lm_cross_entropy)
+REFERENCE = Kernels(rms_norm, causal_attention, grouped_swiglu, lm_cross_entropy, F.linear)
 
 
 def kernels_for(choice: str) -> Kernels:
@@ -101,7 +102,7 @@ class Transformer(nn.Module):
             {i: Block(cfg, use_moe=i >= cfg.n_dense_layers, kernels=self.kernels) for i in range(cfg.n_layers)}
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.kernels.rms_norm)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, self.kernels.linear)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
         self.mtp = nn.ModuleList(MultiTokenPrediction(cfg, self.kernels) for _ in range(cfg.n_mtp_layers))
