@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -239,14 +240,23 @@ def test_ddp_takes_its_bucket_size_from_the_config(tmp_path):
     from ciuic_train.distributed.data_parallel import auto_bucket_mb, replicate_with_ddp
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    replicas = []
     try:
-        replica = replicate_with_ddp(torch.nn.Linear(4, 4), Mesh(MeshShape(), torch.device("cpu")), None, bucket_mb=0.5)
-        assert replica.bucket_bytes_cap == 512 * 1024
-        # 0: an eighth of the gradients' bytes, within 1 to 25 MiB.
         mesh = Mesh(MeshShape(), torch.device("cpu"))
+        replicas.append(replicate_with_ddp(torch.nn.Linear(4, 4), mesh, None, bucket_mb=0.5))
+        assert replicas[-1].bucket_bytes_cap == 512 * 1024
+        # 0: an eighth of the gradients' bytes, within 1 to 25 MiB.
         sixteen_mib = torch.nn.Linear(1024, 4096, bias=False)  # 4 M fp32 weights
-        assert replicate_with_ddp(sixteen_mib, mesh, None).bucket_bytes_cap == 2 * 2**20
+        replicas.append(replicate_with_ddp(sixteen_mib, mesh, None))
+        assert replicas[-1].bucket_bytes_cap == 2 * 2**20
     finally:
+        # DDP's reducers hold the group: dropped at the test's end, with the GIL held, the
+        # last one's destructor could join gloo's worker while that waits for the GIL to
+        # free a finished collective's tensors (this test hung so, once in a full run).
+        # Dropped here while the group is still registered, then a pause for the worker
+        # to drain, as Parallel.close does.
+        replicas.clear()
+        time.sleep(0.2)
         dist.destroy_process_group()
     with torch.device("meta"):
         assert auto_bucket_mb(torch.nn.Linear(4, 4)) == 1.0

@@ -9,6 +9,8 @@ process.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,6 +30,7 @@ def ep_mesh(tmp_path):
     try:
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
     finally:
+        time.sleep(0.2)  # gloo's worker frees the last exchanges' tensors under the GIL (Parallel.close)
         dist.destroy_process_group()
 
 
