@@ -43,6 +43,7 @@ from rich.table import Table
 from ciuic_train.config import Config, Precision, register_configs, to_config
 from ciuic_train.model import Transformer
 from ciuic_train.model.counting import training_flops_per_token
+from ciuic_train.model.kernels import gemm_choice
 from ciuic_train.train.optim import build_optimizer
 from ciuic_train.train.trainer import Trainer
 
@@ -184,8 +185,6 @@ def gemm_side_by_side(args: argparse.Namespace, config: Config, flops: float) ->
     oneDNN, in rotating rounds; GFLOP/s against each backend's square fp32 peak; what `auto` chooses."""
     from dataclasses import asdict
 
-    from ciuic_train.model.kernels import gemm_choice
-
     def use(backend: str | None) -> None:
         if backend in (None, "auto"):
             os.environ.pop(gemm_choice.ENV, None)
@@ -237,16 +236,6 @@ def gemm_table(figures: dict, precision: str) -> Table:
     chosen = ", ".join(f"{product} {'oneDNN' if on else 'MKL'}" for product, on in figures["auto_chooses"].items())
     table.caption = f"auto chooses: {chosen}"
     return table
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def parse_args() -> argparse.Namespace:
@@ -302,7 +291,7 @@ def main() -> None:
     results = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
+        "cpu": gemm_choice.cpu_info()[1],
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "overrides": args.override,

@@ -37,6 +37,7 @@ from rich.table import Table
 
 from bench import MATMUL_SIZES, matmul_peak, results_console
 from bench_peer import load_model_config
+from ciuic_train.model.kernels import gemm_choice
 from ciuic_train.model.kernels.loss import loss_chunk_tokens
 
 COLD_BYTES = 128 * 2**20
@@ -45,10 +46,7 @@ CALLS_PER_ROUND = 24
 
 def onednn_linear() -> Callable | None:
     """x @ w.T by oneDNN in full fp32, or None where this torch build has no such op."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return None
-    op = torch.ops.mkldnn._linear_pointwise
-    return lambda x, w: op(x, w, None, "none", [], "")
+    return gemm_choice.onednn_mm_nt if gemm_choice.onednn_available() else None
 
 
 def time_cycle(mm: Callable, sets: list[tuple[torch.Tensor, ...]], calls: int) -> float:
