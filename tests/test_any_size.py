@@ -11,6 +11,7 @@ the meta build, initialization by rows, loading by rows, the row-hash checksum.
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ BIG = [
     "model=small", "model.dim=512", "model.n_layers=3", "model.n_routed_experts=256", "model.moe_ffn_dim=1024",
     "train.seq_len=32", "train.batch_size=1", "train.warmup_steps=1", "train.eval_windows=8", "train.eval_every=2",
     "sample.max_new_tokens=0", "progress=plain",
+    "ckpt.keep_last=1",  # each checkpoint is 9 GiB on disk
 ]
 SHARDED = ["dist.dp_shard=8", "dist.ep=8"]
 
@@ -62,11 +64,23 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+# At most two checkpoints of 9 GiB (the newest and the one a save is replacing), one
+# exported copy of the weights and one more checkpoint, for `init_from`, at once.
+DISK_NEEDED = 24 * GIB
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
+    """The module's folder; the checkpoints are deleted when its tests end, so that a suite
+    that passed leaves no tens of GiB behind (and a full disk does not fail the tests after)."""
     root = tmp_path_factory.mktemp("any_size")
+    free = shutil.disk_usage(root).free
+    if free < DISK_NEEDED:
+        pytest.fail(f"{root} has {free / GIB:.1f} GiB free; the model's checkpoints need {DISK_NEEDED / GIB:.0f} GiB")
     write_text_corpus(root / "corpus")
-    return root
+    yield root
+    for checkpoints in root.glob("*/checkpoints"):
+        shutil.rmtree(checkpoints, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
