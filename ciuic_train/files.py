@@ -30,6 +30,13 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
         tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
 
 
+def user_cache_dir() -> Path:
+    """ciuic-train's folder in the user's cache ($XDG_CACHE_HOME, else ~/.cache): what is
+    costly to make and safe to lose (tokenized corpora, the machine's GEMM measurement)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ciuic-train"
+
+
 def format_bytes(n: float) -> str:
     """Bytes in the largest binary unit that keeps the figure at 1 or more."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

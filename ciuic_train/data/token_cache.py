@@ -51,7 +51,7 @@ from ciuic_train.data.tokenizer import (
     load_tokenizer_file,
     train_bpe,
 )
-from ciuic_train.files import write_json_atomic
+from ciuic_train.files import user_cache_dir, write_json_atomic
 from ciuic_train.launch.paths import launcher_rank
 from ciuic_train.progress import WorkProgress
 
@@ -61,15 +61,10 @@ log = logging.getLogger("ciuic_train")
 FILE_SEPARATOR = b"\n\n"
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ciuic-train"
-
-
 def cache_entry(sources: Sources | DatasetRows, cfg: DataConfig) -> Path:
     """The cache folder holding `sources` (text files, or a dataset's rows) tokenized as
     `cfg` says, built first unless it is there."""
-    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else user_cache_dir()
     tokenizer = None if cfg.tokenizer in (BYTES, BPE) else load_tokenizer_file(cfg.tokenizer)
     suffix = f"-tok{tokenizer.fingerprint()}" if tokenizer else {BYTES: "", BPE: f"-bpe{cfg.vocab_size}"}[cfg.tokenizer]
     if cfg.eos:

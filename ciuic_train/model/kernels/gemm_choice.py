@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ciuic_train.files import user_cache_dir, write_json_atomic
 
 ENV = "CIUIC_FP32_GEMM"
 CACHE_FILE = "fp32_gemm.json"
@@ -141,8 +142,7 @@ def measure() -> tuple[dict[str, float], float]:
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ciuic-train" / CACHE_FILE
+    return user_cache_dir() / CACHE_FILE
 
 
 def cpu_info() -> tuple[str, str, set[str]]:
@@ -192,10 +192,7 @@ def write_cache(path: Path, entries: dict) -> None:
     """Write `entries` whole: to a temporary file beside `path`, then renamed over it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
-                                         delete=False, encoding="utf-8") as tmp:
-            json.dump(entries, tmp, indent=1, sort_keys=True)
-        os.replace(tmp.name, path)
+        write_json_atomic(path, entries)
     except OSError:  # a read-only home: measured again next time
         pass
 
