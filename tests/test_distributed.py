@@ -263,6 +263,65 @@ def test_ddp_takes_its_bucket_size_from_the_config(tmp_path):
         assert auto_bucket_mb(torch.nn.Linear(4096, 16384, bias=False)) == 25.0  # 256 MiB: torch's cap
 
 
+@pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning")
+def test_ddp_gradients_are_its_buckets_and_train_bit_for_bit_as_copies_did(tmp_path):
+    """On a 1-rank gloo group, three AdamW steps of two micro-batches (the first under
+    no_sync): with the gradients as views of DDP's buckets, zeroed in place between steps,
+    every gradient lies in a bucket, the same memory from the second step on (one copy of the gradients,
+    not two), and the parameters end bit for bit where DDP's bucket copies took them."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ciuic_train.distributed.data_parallel import grads_are_bucket_views, replicate_with_ddp
+    from ciuic_train.distributed.mesh import Mesh, MeshShape
+    from ciuic_train.model import ModelConfig, Transformer
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    replicas, ends = [], []
+    try:
+        mesh = Mesh(MeshShape(), torch.device("cpu"))
+        for views in (False, True):
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig(n_layers=2, n_dense_layers=1))
+            if views:
+                replica = replicate_with_ddp(model, mesh, None, bucket_mb=0.25)
+            else:  # what replicate_with_ddp built before: param.grad, copied into the buckets and back
+                replica = DistributedDataParallel(model, bucket_cap_mb=0.25, broadcast_buffers=False)
+            replicas.append(replica)
+            assert replica.gradient_as_bucket_view == views
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            data = torch.Generator().manual_seed(1)
+            storages = []
+            for _ in range(3):
+                for sync in (False, True):
+                    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=data)
+                    with (replica.no_sync() if not sync else torch.enable_grad()):
+                        (replica(idx, idx) / 2).backward()
+                optimizer.step()
+                grads = [p.grad for p in model.parameters()]
+                storages.append({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads})
+                # Set to None until DDP has laid its buckets out again (second step's forward), then zeroed in place.
+                assert grads_are_bucket_views(replica) == (views and len(storages) > 1)
+                optimizer.zero_grad(set_to_none=not grads_are_bucket_views(replica))
+            ends.append([p.detach().clone() for p in model.parameters()])
+            grad_bytes = 4 * sum(p.numel() for p in model.parameters())
+            if views:
+                # The buckets' memory, each holding several gradients: one copy of them. DDP
+                # lays its buckets out again after the first step, in the order gradients came.
+                assert all(len(step) < len(grads) and sum(step.values()) == grad_bytes for step in storages)
+                assert storages[1] == storages[2]
+                assert all(g.abs().sum() == 0 for g in (p.grad for p in model.parameters()))  # zeroed, kept
+            else:
+                assert len(storages[0]) == len(grads)
+        assert all(torch.equal(a, b) for a, b in zip(*ends))
+        assert not all(torch.equal(a, b) for a, b in zip(ends[0], Transformer(ModelConfig(n_layers=2, n_dense_layers=1)).parameters()))
+    finally:
+        replicas.clear()  # as in the test above: the reducers go while the group is registered
+        time.sleep(0.2)
+        dist.destroy_process_group()
+
+
 def test_fsdp_bf16_keeps_the_rope_tables_fp32(tmp_path):
     """The bf16 policy on a 1-rank gloo group: the blocks receive the
     RoPE tables as they are (casting them to bf16 made `apply_rope` fail), train under

@@ -138,9 +138,10 @@ def test_the_refusal_names_the_need_the_room_and_a_layout_that_fits():
 
 
 def test_the_refusal_shards_over_the_ranks_the_run_has_before_asking_for_more():
-    config = compose_config(*WIDE, "dist.nproc_per_node=4")  # DDP: every rank holds it all
+    # DDP: every rank holds it all, as one process does (its gradients are its buckets).
+    config = compose_config(*WIDE, "dist.nproc_per_node=4")
     verdict = check_memory(config, Room(4 * GIB, "available memory / 4 local ranks"))
-    assert not verdict.fits and "on 4 ranks" in verdict.line and "each rank needs 6.01 GiB" in verdict.line
+    assert not verdict.fits and "on 4 ranks" in verdict.line and "each rank needs 4.81 GiB" in verdict.line
     assert "it would fit with dist.dp_shard=4 (about 2.00 GiB per rank in all);" in verdict.line
     # With less room the total needs more shards: whole nodes like this one, of 4 ranks each.
     verdict = check_memory(config, Room(2 * GIB, "available memory / 4 local ranks"))

@@ -43,7 +43,14 @@ def auto_bucket_mb(model: nn.Module) -> float:
 def replicate_with_ddp(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None, bucket_mb: float = 0.0) -> nn.Module:
     """DDP: every rank a full replica, gradients all-reduced in buckets of `bucket_mb` MiB
     (0: `auto_bucket_mb`) during backward (a bucket goes as soon as its gradients are ready;
-    DDP's first bucket holds 1 MiB, the last layers', whatever the size)."""
+    DDP's first bucket holds 1 MiB, the last layers', whatever the size).
+
+    The gradients are views of the buckets (`gradient_as_bucket_view`): one fp32 copy of
+    them instead of two (param.grad and the bucket), and no copy between the two each
+    step, once backward has made them views. `grads_are_bucket_views` tells the trainer to
+    zero them in place after a step: set to None, the next backward would allocate them
+    again and copy them in. A comm hook reads and writes the bucket as before, so the
+    tricks' hooks see no difference; the sums are the same, in the same order."""
     from torch.nn.parallel import DistributedDataParallel
 
     bucket_mb = bucket_mb or auto_bucket_mb(model)
@@ -55,11 +62,26 @@ def replicate_with_ddp(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None,
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     group = mesh.replicas().get_group() if mesh.device_mesh is not None else None  # None: the default group
     replica = DistributedDataParallel(
-        model, device_ids=device_ids, process_group=group, bucket_cap_mb=bucket_mb, **no_buffer_sync
+        model, device_ids=device_ids, process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+        **no_buffer_sync,
     )
     if comm_hook is not None:
         replica.register_comm_hook(comm_hook.state, comm_hook.hook)
     return replica
+
+
+def grads_are_bucket_views(model: nn.Module) -> bool:
+    """Whether `model` (what `parallelize` returned) keeps its gradients as views of DDP's
+    buckets for good, so that a step zeroes them in place.
+
+    Not before DDP has laid its buckets out again in the order the first backward made the
+    gradients (it does so once, in the second step's forward): views still held then
+    would keep the first layout alive beside the new one, two copies of the gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # `_has_rebuilt_buckets` is DDP's own flag (torch 2.13); without it, in place from the start.
+    return (isinstance(model, DistributedDataParallel) and model.gradient_as_bucket_view
+            and getattr(model, "_has_rebuilt_buckets", True))
 
 
 def shard_with_fsdp(model: nn.Module, mesh: Mesh, bf16: bool, roots: list[nn.Module], prefetch: int = 0,

@@ -341,6 +341,9 @@ class Pipeline:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(local_value(weight.grad), group=self.embedding_holders)
 
+    def grads_are_bucket_views(self) -> bool:
+        return False  # a pipeline's replicas are FSDP2's
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """As `grads.clip_grad_norm_`, with every stage's squares summed (a held copy of the
         embedding counted once, on the first stage's rank)."""

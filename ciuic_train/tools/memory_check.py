@@ -6,8 +6,8 @@ folder exists, with the allocator's traceback. `check_memory` compares `--plan`'
 per-rank figures (`plan.plan_figures`, for the world this process was launched into)
 with what a rank here can use (`memory_limits.Room`):
 
-- the exact part, the weights, gradients and AdamW state (with DDP's buckets and FSDP's
-  accumulated gradients where there are any: plan's `state`), must fit, or the CLI
+- the exact part, the weights, gradients and AdamW state (with FSDP's accumulated
+  gradients where there are any: plan's `state`), must fit, or the CLI
   refuses the run in one line, naming the layouts that would fit;
 - the estimated total (plus activations and FSDP's buffers) only warns: it is an
   estimate, and the layouts it names may need a margin as well.
@@ -113,7 +113,6 @@ def _state(figures: dict[str, Any]) -> str:
     """What the exact part holds, in words."""
     memory = figures["memory"]
     parts = ["weights", "gradients", "AdamW state"]
-    parts += ["DDP's gradient buckets"] * bool(memory["ddp_buckets"])
     parts += ["accumulated gradients"] * bool(memory["accumulated_grads"])
     return ", ".join(parts[:-1]) + " and " + parts[-1]
 

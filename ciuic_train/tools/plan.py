@@ -38,8 +38,8 @@ ranks that hold the same experts: ceil((E / ep) / efsdp) experts' rows. Replicas
 
 - parameters: 4 bytes per stored element (fp32 master weights, also under precision=bf16);
 - gradients: 4 bytes per stored element (FSDP2 reduces into fp32 sharded gradients; DDP's
-  param.grad is fp32), and under DDP the reducer's fp32 buckets hold another copy
-  (gradient_as_bucket_view is off): `ddp_buckets`;
+  param.grad is fp32, a view of the reducer's fp32 buckets: no second copy, and held all
+  step, zeroed in place between steps);
 - optimizer: AdamW's exp_avg and exp_avg_sq, fp32: 8 bytes per stored element, and
   its step count, a 4-byte fp32 tensor per parameter tensor (the fused AdamW keeps it on
   the device);
@@ -73,14 +73,14 @@ each block's input + 2 x the largest block; plus the terms outside the blocks.
 
 The total (estimate)
 --------------------
-The parameters, AdamW state, DDP's buckets and accumulated gradients are held all step;
+The parameters, AdamW state, DDP's gradients and accumulated gradients are held all step;
 the rest peaks twice, and not at once: when backward starts, the activations are all
-there and no gradient is yet (the step before set them to None), and when it ends, every
-gradient is, the activations are gone, and the root, the last unit to reduce, holds its
-gradients unsharded and in fp32 for the reduce-scatter. So
+there and no gradient is yet (the step before set them to None; DDP's are held), and
+when it ends, every gradient is, the activations are gone, and the root, the last unit
+to reduce, holds its gradients unsharded and in fp32 for the reduce-scatter. So
 
     total = held all step + max(root + 2 x largest block + activations,
-                                gradients + root + largest unit's gradients ((g + 4) B per element))
+                                gradients not held + root + largest unit's gradients ((g + 4) B per element))
 
 (the FSDP terms under FSDP2 only). `--plan --simulate` measures a step
 (`simulate.py`); docs/plan.md sets the two side by side.

@@ -44,8 +44,10 @@ def memory_figures(config: Config, mesh: MeshShape, widths: Widths, units: list[
     params = {kind: 4 * n for kind, n in stored.items()}
     grads = dict(params)
     optimizer = {kind: 8 * n + 4 * tensors[kind] for kind, n in stored.items()}
-    # A pipeline's replicas are FSDP2's (HSDP with one shard): no DDP reducer.
-    ddp_buckets = 4 * sum(stored.values()) if mesh.strategy == "ddp" and mesh.pp == 1 else 0
+    # DDP's gradients are views of its reducer's buckets, zeroed in place between steps:
+    # held all step, where one process and FSDP2 free theirs after each (a pipeline's
+    # replicas are FSDP2's, HSDP with one shard: no DDP reducer).
+    grads_held = sum(grads.values()) if mesh.strategy == "ddp" and mesh.pp == 1 else 0
     accumulated = (
         4 * sum(u.gathered for u in units) if sharded and config.train.grad_accum > 1 else 0
     )
@@ -55,16 +57,15 @@ def memory_figures(config: Config, mesh: MeshShape, widths: Widths, units: list[
     largest_unit = max((u.gathered for u in units), default=0)
     fsdp_buffers = root + 2 * largest_block + largest_unit * (widths.g + 4) if sharded else 0
 
-    state = sum(params.values()) + sum(grads.values()) + sum(optimizer.values()) + ddp_buckets + accumulated
-    held = sum(params.values()) + sum(optimizer.values()) + ddp_buckets + accumulated
-    backward_end = sum(grads.values()) + (root + largest_unit * (widths.g + 4) if sharded else 0)
+    state = sum(params.values()) + sum(grads.values()) + sum(optimizer.values()) + accumulated
+    held = sum(params.values()) + sum(optimizer.values()) + grads_held + accumulated
+    backward_end = sum(grads.values()) - grads_held + (root + largest_unit * (widths.g + 4) if sharded else 0)
     totals = {key: held + max(root + 2 * largest_block + acts[key], backward_end) for key in ("no_ac", "ac")}
     fits = {gpu: {key: totals[key] <= cap * GIB for key in totals} for gpu, cap in GPUS.items()}
     memory = {
         "params": params,
         "grads": grads,
         "optimizer": optimizer,
-        "ddp_buckets": ddp_buckets,
         "accumulated_grads": accumulated,
         "largest_block_all_gather": largest_block,
         "root_all_gather": root,

@@ -95,10 +95,10 @@ def _memory_table(config: Config, f: dict[str, Any]) -> Any:
         return f"experts {format_bytes(d['experts'])} + other {format_bytes(d['other'])}"
 
     table.add_row("parameters", format_bytes(sum(mem["params"].values())), f"fp32; {split(mem['params'])} (exact)")
-    table.add_row("gradients", format_bytes(sum(mem["grads"].values())), "fp32, as the parameters (exact)")
+    table.add_row("gradients", format_bytes(sum(mem["grads"].values())),
+                  "fp32, as the parameters; under DDP views of its buckets, held all step (exact)"
+                  if mesh["strategy"] == "ddp" and "pipeline" not in f else "fp32, as the parameters (exact)")
     table.add_row("AdamW state", format_bytes(sum(mem["optimizer"].values())), "2 x fp32 per parameter, a step count per tensor (exact)")
-    if mem["ddp_buckets"]:
-        table.add_row("DDP buckets", format_bytes(mem["ddp_buckets"]), "the reducer's fp32 copy of the gradients")
     if mem["accumulated_grads"]:
         table.add_row("accumulated grads", format_bytes(mem["accumulated_grads"]),
                       "grad_accum > 1: FSDP2 keeps unsharded fp32 gradients between micro-batches")

@@ -103,7 +103,7 @@ def simulate(config: Config) -> Measured:
 # and --plan's figure for it, from its memory figures and "ac" or "no_ac".
 SIMULATED_ROWS = (
     ("parameters", ("parameters",), lambda mem, ac: sum(mem["params"].values())),
-    ("gradients", ("gradients",), lambda mem, ac: sum(mem["grads"].values()) + mem["ddp_buckets"]),
+    ("gradients", ("gradients",), lambda mem, ac: sum(mem["grads"].values())),
     ("AdamW state", ("optimizer",), lambda mem, ac: sum(mem["optimizer"].values())),
     ("FSDP gathers, unsharded grads", ("fsdp",), lambda mem, ac: mem["fsdp_buffers"] + mem["accumulated_grads"]),
     ("activations", ("activations",), lambda mem, ac: mem["activations"][ac]),

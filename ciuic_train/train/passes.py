@@ -13,6 +13,8 @@ through torch's schedules, behind the same methods:
 - `sampling_model()`: the whole model to sample from (on rank 0; None elsewhere where it
   had to be gathered, a collective every rank calls);
 - `holds_loss`: whether this rank computes the loss (a pipeline: its last stage's);
+- `grads_are_bucket_views()`: whether the gradients are DDP's buckets, to be zeroed in
+  place after a step rather than set to None;
 - `full_batches`: whether every evaluation batch must be `train.batch_size` windows
   (a pipeline's stages are built for one micro-batch shape).
 
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from ciuic_train.config import Config
+from ciuic_train.distributed.data_parallel import grads_are_bucket_views
 from ciuic_train.distributed.grads import clip_grad_norm_, grad_sync
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.model import Transformer
@@ -69,6 +72,9 @@ class ModelPasses:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(list(self.model.parameters()), max_norm)
+
+    def grads_are_bucket_views(self) -> bool:
+        return grads_are_bucket_views(self.wrapped_model)
 
     def balance_experts(self) -> torch.Tensor:
         return self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)

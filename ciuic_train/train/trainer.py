@@ -279,7 +279,7 @@ class Trainer:
         else:
             self.model.forget_expert_counts()
             moe_imbalance = float("nan")
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.passes.grads_are_bucket_views())
         if verdict == "stop":
             raise RunFailed(self._nonfinite_message(check, lr))
         self.step += 1
