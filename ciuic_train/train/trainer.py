@@ -17,6 +17,7 @@ One optimizer step (`Trainer.train_step`):
     ranks agree: mean losses, finite?, stop?  (`LossWatch.agree`, the step's one small collective)
     if finite: optimizer step; MoE: one balancing step from the tokens each expert received
     else: no update; stop the run, or skip the step (train.on_nonfinite)
+    clear the gradients (set to None; DDP's, views of its buckets, zeroed in place)
 
 The run (`Trainer.fit`): steps until `train.max_steps`; after each, the profiler's step
 (`profile.*`: ciuic_train/train/profiler.py), then evaluate, log and save
