@@ -32,7 +32,8 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
 
 def user_cache_dir() -> Path:
     """ciuic-train's folder in the user's cache ($XDG_CACHE_HOME, else ~/.cache): what is
-    costly to make and safe to lose (tokenized corpora, the machine's GEMM measurement)."""
+    costly to make and safe to lose (tokenized corpora; `model/kernels/gemm_choice.py`
+    restates it for the machine's GEMM measurement, as model/ imports only itself)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ciuic-train"
 

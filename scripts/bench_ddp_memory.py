@@ -12,7 +12,7 @@ Each rank records each step's own peak resident memory (VmHWM, reset before the 
 through /proc/self/clear_refs), with glibc returning every freed block over 64 KiB at
 once (`MALLOC_MMAP_THRESHOLD_`) so that resident memory follows the live tensors.
 Prints, per variant, the peak of each step (the higher rank), and the gradients' bytes;
-both variants end on the same parameters (checked). Overrides after the defaults change
+both variants end on bit-identical parameters (`param_checksum`, checked). Overrides after the defaults change
 the model or the batch.
 
     python scripts/bench_ddp_memory.py [--steps 4] [--rounds 2] [override ...]
@@ -33,10 +33,10 @@ MODEL = ["model=small", "model.dim=512", "model.n_routed_experts=64", "train.seq
 MIB = 2**20
 
 
-def resident() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process, bytes."""
+def peak_resident() -> int:
+    """This process's VmHWM, bytes."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    return int(fields["VmHWM"].split()[0]) * 1024
 
 
 def worker(variant: str, run_dir: Path, steps: int, overrides: list[str]) -> None:
@@ -45,6 +45,7 @@ def worker(variant: str, run_dir: Path, steps: int, overrides: list[str]) -> Non
     import torch.nn.parallel
 
     from ciuic_train.cli.compose import compose, config_module, job_config, without_hydra
+    from ciuic_train.distributed.params import param_checksum
     from ciuic_train.train.trainer import Trainer
 
     if variant == "copies":
@@ -62,9 +63,9 @@ def worker(variant: str, run_dir: Path, steps: int, overrides: list[str]) -> Non
     for _ in range(steps):
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         trainer.train_step()
-        peaks.append(resident()[1])
+        peaks.append(peak_resident())
     grad_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    checksum = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
+    checksum = param_checksum(trainer.model)
     print("MEMORY " + json.dumps({"rank": trainer.parallel.info.rank, "peaks": peaks, "grad_bytes": grad_bytes,
                                   "checksum": checksum}), flush=True)
     trainer.parallel.close()

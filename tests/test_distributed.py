@@ -274,6 +274,7 @@ def test_ddp_gradients_are_its_buckets_and_train_bit_for_bit_as_copies_did(tmp_p
     from torch.nn.parallel import DistributedDataParallel
 
     from ciuic_train.distributed.data_parallel import grads_are_bucket_views, replicate_with_ddp
+    from ciuic_train.distributed.grads import grad_sync
     from ciuic_train.distributed.mesh import Mesh, MeshShape
     from ciuic_train.model import ModelConfig, Transformer
 
@@ -296,7 +297,7 @@ def test_ddp_gradients_are_its_buckets_and_train_bit_for_bit_as_copies_did(tmp_p
             for _ in range(3):
                 for sync in (False, True):
                     idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=data)
-                    with (replica.no_sync() if not sync else torch.enable_grad()):
+                    with grad_sync(replica, "ddp", enabled=sync):
                         (replica(idx, idx) / 2).backward()
                 optimizer.step()
                 grads = [p.grad for p in model.parameters()]

@@ -66,6 +66,7 @@ def memory_figures(config: Config, mesh: MeshShape, widths: Widths, units: list[
         "params": params,
         "grads": grads,
         "optimizer": optimizer,
+        "grads_held": grads_held,
         "accumulated_grads": accumulated,
         "largest_block_all_gather": largest_block,
         "root_all_gather": root,

@@ -97,7 +97,7 @@ def _memory_table(config: Config, f: dict[str, Any]) -> Any:
     table.add_row("parameters", format_bytes(sum(mem["params"].values())), f"fp32; {split(mem['params'])} (exact)")
     table.add_row("gradients", format_bytes(sum(mem["grads"].values())),
                   "fp32, as the parameters; under DDP views of its buckets, held all step (exact)"
-                  if mesh["strategy"] == "ddp" and "pipeline" not in f else "fp32, as the parameters (exact)")
+                  if mem["grads_held"] else "fp32, as the parameters (exact)")
     table.add_row("AdamW state", format_bytes(sum(mem["optimizer"].values())), "2 x fp32 per parameter, a step count per tensor (exact)")
     if mem["accumulated_grads"]:
         table.add_row("accumulated grads", format_bytes(mem["accumulated_grads"]),
