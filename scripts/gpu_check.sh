@@ -27,8 +27,9 @@
 #   bench      scripts/bench.py at ~1 B parameters in bf16, trainer and bare loop, MFU
 #              against the measured matmul peak and against PEAK_TFLOPS. --dry-run: tiny, fp32
 # Outputs in OUT: summary.txt, gpu_check.log (everything), nvidia-smi.txt, test_gpu.xml,
-# bench.json. Exit status: 0 every stage passed, 1 one failed or ran out of time, 2 no
-# interpreter with torch.
+# bench.json. The work folder (stage logs, run folders, the stand-in venv) is deleted at
+# exit. Exit status: 0 every stage passed, 1 one failed or ran out of time, 2 no interpreter
+# with torch.
 #
 # Installing: the GPU machine has no network, and its python3 (torch 2.11 with CUDA 13, and
 # most of what the project needs) lacks hydra-core, omegaconf and antlr4-python3-runtime.
@@ -287,6 +288,9 @@ PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 # Stage logs and run folders; every command runs from here, outside the repo root, so the
 # installed ciuic_train (whose ciuic_train.conf Hydra needs) is the one imported.
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+# Gone at exit, as a stage's output is already in OUT/gpu_check.log: --dry-run's stand-in venv
+# alone is 1 GB, and CI runs the dry run on a disk that every run would otherwise fill further.
+trap 'rm -rf "$WORK"' EXIT
 SITE=$WORK/site
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}

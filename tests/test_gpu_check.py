@@ -4,6 +4,7 @@ minutes a lent GPU gives are not spent on the script's own mistakes."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,11 @@ def stages(summary: Path) -> dict[str, tuple[str, str]]:
         name, verdict, _seconds, *rest = line.split(None, 3)
         rows[name] = (verdict, rest[0] if rest else "")
     return rows
+
+
+def work_folder(stdout: str) -> Path:
+    """The work folder the script names in its first line."""
+    return Path(re.search(r"work folder (\S+),", stdout).group(1))
 
 
 @pytest.mark.slow
@@ -41,6 +47,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "bench.json", "gpu_check.log", "summary.txt", "test_gpu.xml"
     ]
+    assert not work_folder(result.stdout).exists()  # its 1 GB stand-in venv included
 
     # Without a GPU the real run says so in its env stage, runs on, and exits 1.
     real = subprocess.run(["bash", str(SCRIPT)], env={**env, "OUT": str(tmp_path / "real"), "PYTHON": sys.executable},
@@ -50,6 +57,7 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert found["env"][0] == "FAIL(1)" and "torch sees no CUDA device" in found["env"][1]
     assert found["install"][0] == "PASS" and found["ranks"][0] == "FAIL(1)"
     assert found["bench"][0] == "FAIL(1)" and found["bench"][1].startswith("bench.py failed (exit 1): ")
+    assert not work_folder(real.stdout).exists()  # gone after a failed run too
 
     # A GPU run refuses wheels built from another tree (here: SOURCE says so) in one line.
     source = REPO / ".whl" / "SOURCE"
