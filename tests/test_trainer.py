@@ -124,7 +124,7 @@ def test_mtp_loss_is_logged_beside_the_next_token_loss(tmp_path, text_corpus):
     figures = trainer.train_step()
     assert figures["loss"] == plain[0]  # the same first weights, the same next-token loss
     assert 0 < figures["mtp_loss"] < 2 * figures["loss"]
-    record = trainer._record(figures, [figures["loss"]], Throughput(1), None, False)
+    record = trainer.report.metrics_line(trainer.step, figures, [figures["loss"]], Throughput(1), None, False)
     assert record["mtp_loss"] == figures["mtp_loss"]
     assert f"mtp_loss {figures['mtp_loss']:.4f}" in format_step(record)  # the progress line shows it
 

@@ -20,10 +20,10 @@ One optimizer step (`Trainer.train_step`):
     clear the gradients (set to None; DDP's, views of its buckets, zeroed in place)
 
 The run (`Trainer.fit`): steps until `train.max_steps`; after each, the profiler's step
-(`profile.*`: ciuic_train/train/profiler.py), then evaluate, log and save
-(<- tricks.should_save) when `Cadence` says so; a stop signal (`StopRequest`)
-saves and ends the run after the current step. A non-finite step never reaches the
-weights, so no checkpoint ever holds them.
+(`profile.*`: ciuic_train/train/profiler.py), then evaluate, log (what a line and the
+summary hold: ciuic_train/train/report.py) and save (<- tricks.should_save) when `Cadence`
+says so; a stop signal (`StopRequest`) saves and ends the run after the current step. A
+non-finite step never reaches the weights, so no checkpoint ever holds them.
 
 The model is built on the meta device and `parallelize` materializes each rank's shards
 (ciuic_train/distributed/materialize.py); `Trainer._initialize` then fills them, once:
@@ -33,7 +33,6 @@ defined in ciuic_train/tricks/base.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from contextlib import nullcontext
@@ -53,18 +52,18 @@ from ciuic_train.checkpoint.resume import (
     run_fingerprint,
 )
 from ciuic_train.config import Config, OnNonFinite, Precision
-from ciuic_train.data.corpus import load_tokens, unigram_entropy
+from ciuic_train.data.corpus import load_tokens
 from ciuic_train.data.sampler import eval_indices, get_batch, train_windows, window_documents
 from ciuic_train.data.tokenizer import check_model_vocab, save_tokenizer
 from ciuic_train.distributed.grads import average_gradients_with_consistency
 from ciuic_train.distributed.materialize import local_rows
 from ciuic_train.distributed.parallelize import parallelize
 from ciuic_train.distributed.pipeline import Pipeline
-from ciuic_train.distributed.params import param_bytes, param_checksum, peak_memory_bytes
+from ciuic_train.distributed.params import peak_memory_bytes
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.errors import RunFailed, first_line
-from ciuic_train.files import format_bytes, write_json_atomic
-from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters, generate
+from ciuic_train.files import format_bytes
+from ciuic_train.model import Transformer, generate
 from ciuic_train.model.common import IGNORE_INDEX
 from ciuic_train.model.init import ParameterInit
 from ciuic_train.tools.memory_check import OutOfMemoryGuard
@@ -83,6 +82,7 @@ from ciuic_train.train.optim import LrSchedule, build_optimizer
 from ciuic_train.train.device import resolve_device, use_tf32  # resolve_device: also the CLI's
 from ciuic_train.train.passes import ModelPasses
 from ciuic_train.train.profiler import profiled_steps
+from ciuic_train.train.report import RunReport
 from ciuic_train.train.stragglers import StepTimes
 from ciuic_train.train.trackers import Trackers
 from ciuic_train.tricks import TrickContext, build_tricks
@@ -156,6 +156,8 @@ class Trainer:
         self.step = 0
         self.checkpointer = Checkpointer(run_dir / "checkpoints", self.parallel.info.rank, self.parallel.world_size,
                                          config.ckpt.keep_last, config.ckpt.async_save)
+        self.report = RunReport(config, self.parallel, self.model, self.model_shape, self.data, self.tricks,
+                                self.watch, self.step_times, self.checkpointer)
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
         elif self.parallel.is_main:  # a fresh start: lines a previous attempt logged are not this run's
@@ -325,7 +327,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps` (or a stop signal); returns the run's summary."""
-        self._log_start()
+        self.report.log_start()
         is_main = self.parallel.is_main
         trackers = Trackers.open(self.config.logger, self.run_dir, self.step, self.config) if is_main else None
         metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None, trackers)
@@ -368,8 +370,8 @@ class Trainer:
                 # the line for good (the resume starts after it); one before the save drops
                 # the line with the step, and the resumed run logs it again.
                 if self.cadence.logs(self.step, evaluated, stopping=stopped_by is not None):
-                    record = self._record(figures, losses_since_log, throughput, last_val if evaluated else None,
-                                          saves)
+                    record = self.report.metrics_line(self.step, figures, losses_since_log, throughput,
+                                                      last_val if evaluated else None, saves)
                     metrics.write(record)
                     progress.report(record)
                     last_logged_loss = record["loss"]
@@ -389,87 +391,7 @@ class Trainer:
             "tokens_per_s": throughput.run_rate(),
             "wall_s": throughput.elapsed_s(),
         }
-        return self._finish(run, metrics)
-
-    def _record(self, figures: dict[str, float], losses_since_log: list[float], throughput: Throughput,
-                val_loss: float | None, saving: bool) -> dict[str, Any]:
-        """One line of metrics.jsonl: this step's figures, the window's mean loss and speed."""
-        return {
-            "step": self.step,
-            # The mean loss of the steps applied since the last log line (NaN: none was).
-            "loss": sum(losses_since_log) / len(losses_since_log) if losses_since_log else float("nan"),
-            "lr": figures["lr"],
-            "grad_norm": figures["grad_norm"],
-            "moe_imbalance": float(figures["moe_imbalance"]),
-            **{key: figures[key] for key in ("mtp_loss", "aux_loss", "seq_aux_loss") if key in figures},
-            **({"grad_consistency": figures["grad_consistency"]} if "grad_consistency" in figures else {}),
-            "tokens_per_s": throughput.window_rate(),
-            "elapsed_s": throughput.elapsed_s(),
-            **({"val_loss": val_loss} if val_loss is not None else {}),
-            "checkpoints": self.checkpointer.saves + saving,  # this step's included
-            **self.step_times.share(),  # a collective: every rank logs this step
-            **self.watch.metrics(),
-            **self.tricks.metrics(),
-        }
-
-    def _log_start(self) -> None:
-        n_params, n_active = count_parameters(self.model_shape)
-        n_mtp, _ = count_mtp_parameters(self.model_shape)
-        mtp = f" + {n_mtp:,} in {self.config.model.n_mtp_layers} MTP depth(s)" if n_mtp else ""
-        log.info(
-            f"model {self.config.model.name}: {n_params:,} params ({n_active:,} active){mtp} on {self.device} "
-            f"({torch.get_num_threads()} threads); "
-            f"data {self.data.description}: {self.data.size()}"
-        )
-        stored = sum(param_bytes(self.model).values())
-        peaks = self._peak_memory_per_rank()
-        log.info(f"built and initialized: {format_bytes(stored)} of parameters on rank 0; peak memory per rank "
-                 f"so far {format_bytes(min(peaks))} to {format_bytes(max(peaks))} (rank {peaks.index(max(peaks))})")
-
-    def _peak_memory_per_rank(self) -> list[int]:
-        """Each rank's peak memory so far (`peak_memory_bytes`), gathered: a collective."""
-        return [int(peak) for peak in self.parallel.gather(str(peak_memory_bytes(self.device)))]
-
-    def _finish(self, run: dict[str, Any], metrics: MetricsFile) -> dict[str, Any]:
-        """Check that the replicas agree, then write the summary of the `run`'s figures
-        (unless a signal stopped it)."""
-        checksum = param_checksum(self.model, self.parallel.gather)  # also fails if replicas differ
-        n_params, n_active = count_parameters(self.model_shape)
-        summary = {
-            "steps": self.step,
-            **run,
-            # Of a stream: its validation tokens, the only ones read whole.
-            "unigram_entropy": unigram_entropy(self.data.whole_split(), self.data.vocab_size),
-            "world_size": self.parallel.world_size,
-            "strategy": self.parallel.strategy,
-            "mesh": self.parallel.mesh.shape.as_dict(),
-            "param_bytes_per_rank": param_bytes(self.model),
-            "peak_memory_bytes_per_rank": self._peak_memory_per_rank(),
-            "tricks": self.tricks.names,
-            "trick_params": self.tricks.resolved_params(),
-            "n_params": n_params,
-            "n_active_params": n_active,
-            "n_mtp_params": count_mtp_parameters(self.model_shape)[0],
-            "param_checksum": checksum,
-            "model": self.config.model.name,
-            "kernels": self.config.model.kernels,
-            "device": str(self.device),
-            "precision": self.config.precision.value,
-            **self.watch.metrics(),
-            "checkpoint_saves": self.checkpointer.saves,
-            "checkpoint_seconds": self.checkpointer.seconds,
-            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
-        }
-        if self.parallel.is_main and run["stopped_by"]:
-            log.warning(
-                f"stopped by {run['stopped_by']} after step {self.step}; checkpoint saved; continue with "
-                f"resume=auto hydra.run.dir={self.run_dir}"
-            )
-        elif self.parallel.is_main:
-            write_json_atomic(self.run_dir / "summary.json", summary)
-            metrics.write_summary(summary)
-            log.info("summary " + json.dumps(summary))
-        return summary
+        return self.report.finish(self.step, run, self.resumed_from, self.run_dir, metrics)
 
     def sample(self) -> str | None:
         """Text generated from the configured prompt through the run's tokenizer; None when
