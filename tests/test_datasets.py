@@ -200,6 +200,8 @@ def test_a_missing_text_field_names_the_fields_before_any_run_folder(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
+    (["data.path=corpus.txt"], "data.path=corpus.txt is read by data=text or data=tokens, not data=stdlib"),
+    (["data=text", "data.path=x", "data.dtype=uint32"], "data.dtype=uint32 is the type of data=tokens' .bin files"),
     (["data=text", "data.path=x", "data.streaming=true"], "data.streaming is for data=hf"),
     (["data=hf", "data.dataset=parquet", "data.data_files=x", "data.path=y"], "not data.path=y"),
     (["data=hf", "data.dataset=json", "data.data_files=3"], "data.data_files=3 must be a path or glob"),
