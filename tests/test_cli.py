@@ -21,6 +21,17 @@ SUMMARY_KEYS = {
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "moe_imbalance", "tokens_per_s", "elapsed_s"}
 
 
+def test_results_show_paths_prompts_and_samples_as_they_are(capsys):
+    """Rich reads "[/x]" as markup (and fails on a closing tag that closes nothing) and
+    passes escape sequences to the terminal; a barely trained byte model samples both."""
+    from ciuic_train.cli.job import show_results
+
+    show_results({"steps": 3, "resumed_from": "/runs/[train]/step_2"}, "x = r'[/\\]'\n\x1b[2J\tdone", "[/p]")
+    out = capsys.readouterr().out
+    assert "/runs/[train]/step_2" in out and "x = r'[/\\]'" in out and "prompt '[/p]'" in out
+    assert "\x1b" not in out and re.search(r"\\x1b\[2J +done", out)  # the tab kept (as spaces)
+
+
 def test_tiny_run_from_another_folder_writes_the_run_folder(tmp_path: Path):
     run_dir = tmp_path / "run"
     result = run_cli(

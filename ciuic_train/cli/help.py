@@ -52,15 +52,14 @@ def _config_groups(folder: Any, parent: str = "") -> list[str]:
 def list_tricks() -> None:
     """One line per trick, with its parameters and how to select it."""
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     from ciuic_train.tricks import registry
 
-    table = Table(title=escape("tricks: +trick=NAME, several: '+trick=[a,b]', parameters: trick.NAME.PARAM=VALUE"))
+    table = Table(title="tricks: +trick=NAME, several: '+trick=[a,b]', parameters: trick.NAME.PARAM=VALUE")
     for column in ("name", "what it does", "parameters (defaults)"):
         table.add_column(column)
     for name, cls in sorted(registry().items()):
         defaults = ", ".join(f"{f.name}={getattr(cls.Params(), f.name)}" for f in dataclasses.fields(cls.Params))
         table.add_row(name, cls.summary, defaults)
-    Console().print(table)
+    Console(markup=False).print(table)  # '+trick=[a,b]' is no markup

@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -188,11 +189,21 @@ def _remove_unused_run_dir(run_dir: Path) -> None:
 def show_results(summary: dict[str, Any], sample: str | None, prompt: str) -> None:
     from rich.console import Console
     from rich.panel import Panel
+    from rich.text import Text
 
     from ciuic_train.train.metrics import summary_table
 
-    console = Console()
+    console = Console(markup=False)  # a path, a prompt or a sample is shown as it is: "[/x]" is no markup
     console.print(summary_table(summary))
     if sample is not None:
         log.info(f"sample: {sample!r}")
-        console.print(Panel(sample, title=f"sample from prompt {prompt!r}"))
+        console.print(Panel(shown_on_a_terminal(sample), title=Text(f"sample from prompt {prompt!r}")))
+
+
+def shown_on_a_terminal(text: str) -> str:
+    """`text` with its control characters but newlines and tabs written out (`\\x1b`): a
+    barely trained byte-level model samples any byte, and an escape sequence printed raw
+    would act on the user's terminal (clear it, retitle it, reset it)."""
+    return "".join(
+        char if char in "\n\t" or unicodedata.category(char) != "Cc" else repr(char)[1:-1] for char in text
+    )

@@ -60,7 +60,7 @@ def print_plan(config: Config, simulate: bool = False) -> None:
     }
     for key, value in rows.items():
         table.add_row(key, value)
-    console = Console()
+    console = Console(markup=False)  # a data.path is shown as it is: "[/x]" is no markup
     console.print(table)
     figures = plan_figures(config, model)
     console.print(_memory_table(config, figures))

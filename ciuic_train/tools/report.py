@@ -117,12 +117,12 @@ def print_table(report: dict[str, Any]) -> None:
         table.add_column(name, no_wrap=name == "group")
     for row in table_rows(report):
         table.add_row(*row)
-    console = Console()
+    console = Console(markup=False)  # overrides such as +trick=[a,b] are no markup
     console.print(table)
     for f in report["failed"]:
-        console.print(f"failed job {f['job']}: {f['reason']}", markup=False)
+        console.print(f"failed job {f['job']}: {f['reason']}")
     for w in report["warnings"]:
-        console.print(f"warning: {w}", markup=False)
+        console.print(f"warning: {w}")
 
 
 def write_plots(root: Path, report: dict[str, Any], groups: dict[str, list[Job]]) -> list[str]:
