@@ -151,7 +151,7 @@ def test_failed_jobs_are_listed(tmp_path):
     assert "## Failed jobs" in (tmp_path / "report.md").read_text()
 
 
-def test_one_seed_and_no_baseline(tmp_path):
+def test_one_seed_and_no_baseline(tmp_path, capsys, monkeypatch):
     write_job(tmp_path, 0, ["a"], 0, 4.0)
     write_job(tmp_path, 1, ["b"], 0, 4.1)
     data = report.run(tmp_path, None, None)
@@ -160,6 +160,10 @@ def test_one_seed_and_no_baseline(tmp_path):
     assert group(data, "b")["vs_baseline"]["verdict"].startswith("n/a (n=1 vs 1")
     with pytest.raises(UserError, match="no such group"):
         report.run(tmp_path, None, "c")
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "200")  # no cell wrapped
+    report.print_table(data)
+    assert "+0.1000 [n/a]" in capsys.readouterr().out  # the terminal's table: "[n/a]" is no markup
 
 
 @pytest.mark.parametrize("make", ["empty", "only_failed"])
