@@ -62,6 +62,10 @@ def test_tiny_run_from_another_folder_writes_the_run_folder(tmp_path: Path):
         (["train.max_steps=abc"], "train.max_steps"),
         (["train.lr_typo=1"], "unknown config key 'train.lr_typo'"),
         (["+train.lr_typo=1"], "unknown config key 'train.lr_typo'"),
+        (["trick.chaotic_sampler.period=5"], "trick.chaotic_sampler sets a parameter of a trick this run does not "
+                                             "select; add +trick=chaotic_sampler"),
+        (["+trick=chaotic_sampler", "trick.chaotic_samplr.period=5"], "unknown trick 'chaotic_samplr' in "
+                                                                      "trick.chaotic_samplr (did you mean 'chaotic_sampler'?)"),
         (["data=text", "data.path=/nonexistent"], "data.path=/nonexistent"),
         (["model=tyny"], "did you mean 'tiny'?"),
         (["device=gpu"], "expected one of [auto, cpu, cuda]"),

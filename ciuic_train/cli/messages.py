@@ -86,6 +86,8 @@ def _describe_omegaconf(err: OmegaConfBaseException) -> str:
     name = type(err).__name__
     if name in ("ConfigKeyError", "ConfigAttributeError") and key:
         parent, _, leaf = str(key).rpartition(".")
+        if parent == "trick":  # trick.NAME.PARAM=... where +trick=NAME was not given
+            return _unselected_trick(leaf)
         allowed = _schema_keys(parent)
         if allowed is not None:
             hint = get_close_matches(leaf, allowed, n=1)
@@ -97,6 +99,18 @@ def _describe_omegaconf(err: OmegaConfBaseException) -> str:
     if name == "MissingMandatoryValue" and key:
         return f"{key} must be set (add {key}=...)"
     return f"{key}: {msg}" if key and key not in msg else msg
+
+
+def _unselected_trick(name: str) -> str:
+    from ciuic_train.tricks import registry
+
+    tricks = sorted(registry())
+    if name in tricks:
+        return (f"trick.{name} sets a parameter of a trick this run does not select; "
+                f"add +trick={name} (several: '+trick=[a,b]')")
+    hint = get_close_matches(name, tricks, n=1)
+    return (f"unknown trick {name!r} in trick.{name}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            + f"; available: {', '.join(tricks)}")
 
 
 def _schema_keys(path: str) -> list[str] | None:
