@@ -69,6 +69,31 @@ def test_resume_continues_metrics_without_duplicated_steps(tmp_path, text_corpus
     assert steps == [2, 4, 6, 8]
 
 
+def test_a_run_resumed_at_its_end_trains_nothing_and_keeps_its_summary(tmp_path, text_corpus):
+    """Its command run again, or a requeue after the final save: the summary stands, and
+    one stopped before writing it is written with the final step's losses (a sweep's
+    job returns the final val loss)."""
+    overrides = ["train.max_steps=6", "ckpt.every=3", "train.log_every=2"]
+    run_dir = tmp_path / "run"
+    first = make_trainer(run_dir, text_corpus, tmp_path, *overrides).fit()
+    written = {name: (run_dir / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
+
+    again = make_trainer(run_dir, text_corpus, tmp_path, *overrides)
+    assert again.step == 6
+    assert again.fit()["final_val_loss"] == first["final_val_loss"]
+    assert {name: (run_dir / name).read_bytes() for name in written} == written
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
+
+    (run_dir / "summary.json").unlink()  # as if stopped between the final save and the summary
+    summary = make_trainer(run_dir, text_corpus, tmp_path, *overrides).fit()
+    assert json.loads((run_dir / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    assert summary["steps"] == 6 and summary["param_checksum"] == first["param_checksum"]
+    assert summary["final_val_loss"] == first["final_val_loss"]
+    assert summary["final_train_loss"] == first["final_train_loss"]
+    assert summary["tokens_per_s"] != summary["tokens_per_s"]  # NaN: no step trained in that attempt
+    assert (run_dir / "metrics.jsonl").read_bytes() == written["metrics.jsonl"]
+
+
 def test_keep_last_prunes_only_after_a_new_checkpoint_is_complete(tmp_path, text_corpus):
     trainer = make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=10", "ckpt.every=2",
                            "ckpt.keep_last=2")

@@ -101,7 +101,10 @@ class Throughput:
         return time.perf_counter() - self.started
 
     def run_rate(self) -> float:
-        """Tokens/s over the steps this process trained (a resumed run's earlier steps excluded)."""
+        """Tokens/s over the steps this process trained (a resumed run's earlier steps
+        excluded); NaN if it trained none (a run resumed at its end)."""
+        if not self.steps:
+            return float("nan")
         return self.tokens_per_step * self.steps / (self.elapsed_s() - self.paused_s)
 
 

@@ -60,6 +60,14 @@ def drop_metrics_after(path: Path, step: int) -> None:
         tmp.write_text("".join(line + "\n" for line in kept))
 
 
+def logged_loss(path: Path, step: int) -> float:
+    """The training loss metrics.jsonl logged at `step` (NaN if it logged none there)."""
+    if not path.is_file():
+        return float("nan")
+    records = (json.loads(line) for line in path.read_text().splitlines() if line)
+    return next((float(r["loss"]) for r in records if r["step"] == step), float("nan"))
+
+
 def format_step(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
     if "val_loss" in record:

@@ -121,6 +121,10 @@ class RunReport:
                 f"resume=auto hydra.run.dir={run_dir}"
             )
         elif self.parallel.is_main:
+            written = _summary_of(run_dir / "summary.json", step, checksum)
+            if written is not None:  # a run resumed at its end: its first summary stands
+                log.info(f"summary.json of step {step} and these weights stands: {run_dir / 'summary.json'}")
+                return written
             write_json_atomic(run_dir / "summary.json", summary)
             metrics.write_summary(summary)
             log.info("summary " + json.dumps(summary))
@@ -129,3 +133,13 @@ class RunReport:
     def peak_memory_per_rank(self) -> list[int]:
         """Each rank's peak memory so far (`peak_memory_bytes`), gathered: a collective."""
         return [int(peak) for peak in self.parallel.gather(str(peak_memory_bytes(self.parallel.device)))]
+
+
+def _summary_of(path: Path, step: int, checksum: str) -> dict[str, Any] | None:
+    """The summary at `path` if it is of step `step` and weights of `checksum`, else None."""
+    try:
+        written = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    same = isinstance(written, dict) and written.get("steps") == step and written.get("param_checksum") == checksum
+    return written if same else None

@@ -77,7 +77,7 @@ from ciuic_train.train.loop import (
     inject_fault,
     slow_down,
 )
-from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after
+from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after, logged_loss
 from ciuic_train.train.optim import LrSchedule, build_optimizer
 from ciuic_train.train.device import resolve_device, use_tf32  # resolve_device: also the CLI's
 from ciuic_train.train.passes import ModelPasses
@@ -346,6 +346,12 @@ class Trainer:
         losses_since_log: list[float] = []  # mean over ranks of each applied step's loss
         last_val, last_logged_loss, stopped_by = float("nan"), float("nan"), None
         rank = self.parallel.info.rank
+        if self.step >= self.config.train.max_steps:
+            # Resumed at its end (its command run again, or a requeue after the final save):
+            # nothing to train; the final figures are those of the weights it holds.
+            log.info(f"step {self.step} is train.max_steps: nothing to train (raise train.max_steps to go on)")
+            last_val = self.evaluate()
+            last_logged_loss = logged_loss(self.run_dir / "metrics.jsonl", self.step) if is_main else float("nan")
         self.wrapped_model.train()
         with ProgressDisplay(self.config.train.max_steps, self.config.progress.value, enabled=is_main) as progress, \
                 StopRequest() as stop, profiled_steps(self.config.profile, self.run_dir, rank, self.device) as profiled:
