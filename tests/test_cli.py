@@ -2,6 +2,7 @@
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -133,7 +134,8 @@ def test_cfg_checks_the_config_but_not_the_corpus(tmp_path: Path):
 
 @pytest.mark.parametrize(
     "args, shows",
-    [(["--cfg", "job"], "max_steps: 300"), (["--list-tricks"], "chaotic_sampler"), (["--help"], "optim: adamw")],
+    [(["--cfg", "job"], "max_steps: 300"), (["--list-tricks"], "chaotic_sampler"), (["--help"], "optim: adamw"),
+     (["--version"], "ciuic-train 0.1.0 (torch 2.13.0")],
 )
 def test_commands_that_only_print_do_not_import_torch(tmp_path: Path, args, shows):
     """Importing torch takes longer than all these commands do without it."""
@@ -146,6 +148,17 @@ def test_commands_that_only_print_do_not_import_torch(tmp_path: Path, args, show
     imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "ciuic_train.cli.main" in imported  # the import list is there to look at
     assert sorted(m for m in imported if m.split(".")[0] == "torch") == []
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["--list-tricks"], ["--plan"]])
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path, args):
+    """`ciuic-train --help | head -1`: the reader gone before the output ends stops the
+    command as it stops any Unix tool, by SIGPIPE, with no traceback."""
+    process = subprocess.Popen([str(Path(sys.executable).with_name("ciuic-train")), *args], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # gone before the first line
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == -signal.SIGPIPE and err == ""
 
 
 def test_hydra_parses_the_command_line_as_we_read_it():

@@ -15,6 +15,7 @@ PROG = "ciuic-train"
 PLAN_FLAG = "--plan"
 SIMULATE_FLAG = "--simulate"  # only with --plan: rank 0 of the planned cluster, one step on fake tensors
 LIST_TRICKS_FLAG = "--list-tricks"
+VERSION_FLAG = "--version"
 
 
 def parse_hydra_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -22,7 +23,8 @@ def parse_hydra_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[
 
     Both sides then read every flag alike. Checked against hydra-core 1.3.8;
     tests/test_cli.py::test_hydra_parses_the_command_line_as_we_read_it fails if a flag we
-    read changes. `--version` prints Hydra's version and exits here, as @hydra.main would.
+    read changes. `--version` would print Hydra's version and exit here, as @hydra.main
+    would: `main` answers it first (`versions`).
     """
     from hydra._internal.utils import get_args_parser
 
@@ -37,3 +39,17 @@ def composes_our_config(args: argparse.Namespace) -> bool:
 def runs_jobs(args: argparse.Namespace) -> bool:
     """Whether Hydra will run jobs, rather than only print something."""
     return not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion)
+
+
+def versions() -> str:
+    """`--version`: ours, and the versions of what a run's results depend on most (read
+    from the installed packages' metadata: importing torch would take longer)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"{PROG} {of('ciuic-train')} (torch {of('torch')}, hydra-core {of('hydra-core')}, omegaconf {of('omegaconf')})"

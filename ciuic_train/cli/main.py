@@ -12,11 +12,14 @@ Importing torch takes longer than everything else a command that only prints doe
 
 from __future__ import annotations
 
+import argparse
+import signal
 import sys
 from pathlib import Path
 
 from ciuic_train.cli.flags import (
-    LIST_TRICKS_FLAG, PLAN_FLAG, PROG, SIMULATE_FLAG, composes_our_config, parse_hydra_command_line, runs_jobs,
+    LIST_TRICKS_FLAG, PLAN_FLAG, PROG, SIMULATE_FLAG, VERSION_FLAG, composes_our_config, parse_hydra_command_line,
+    runs_jobs, versions,
 )
 from ciuic_train.cli.help import list_tricks, print_help
 from ciuic_train.cli.job import hydra_job
@@ -29,14 +32,30 @@ from ciuic_train.launch import paths as launch, runlock
 def main(argv: list[str] | None = None) -> None:
     """The console script: answer what only prints, check what runs, then hand over to Hydra."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    args, _ = parse_hydra_command_line([a for a in argv if a != VERSION_FLAG])  # Hydra's would exit there
+    only_prints = any(flag in argv for flag in (PLAN_FLAG, VERSION_FLAG, LIST_TRICKS_FLAG)) or not runs_jobs(args)
+    # A command that only prints ends as any Unix tool does when its reader leaves
+    # (`ciuic-train --help | head`): quietly, by SIGPIPE, not with a traceback (Hydra prints
+    # one for --cfg, whatever we catch). Restored after, for a caller in the same process.
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL) if only_prints else None
+    try:
+        _run_command(argv, args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGPIPE, previous)
+
+
+def _run_command(argv: list[str], args: argparse.Namespace) -> None:
+    plan, simulate = PLAN_FLAG in argv, SIMULATE_FLAG in argv
+    argv = [a for a in argv if a not in (PLAN_FLAG, SIMULATE_FLAG)]
+    if VERSION_FLAG in argv:  # Hydra's names Hydra's own version
+        print(versions())
+        return
     if LIST_TRICKS_FLAG in argv:
         list_tricks()
         return
-    plan, simulate = PLAN_FLAG in argv, SIMULATE_FLAG in argv
-    argv = [a for a in argv if a not in (PLAN_FLAG, SIMULATE_FLAG)]
     if simulate and not plan:
         fail(f"{SIMULATE_FLAG} steps one rank of the cluster --plan describes: use it with --plan")
-    args, _ = parse_hydra_command_line(argv)
     try:
         if args.help and composes_our_config(args):
             print_help(args)
@@ -82,7 +101,5 @@ def run_hydra_main(argv: list[str]) -> None:
     sys.argv = [PROG, *argv]
     try:
         hydra_job()
-    except BrokenPipeError:  # `ciuic-train --cfg job | head`: the reader left, nothing is wrong
-        sys.stderr.close()
     finally:
         sys.argv = saved
