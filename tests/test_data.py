@@ -89,6 +89,17 @@ def test_empty_inputs_are_clear_errors(tmp_path):
         find_sources(DataConfig(name="tokens", path=str(tmp_path / "toks")))
 
 
+def test_a_corpus_too_small_to_train_on_says_so_and_what_to_do(tmp_path):
+    """Named by the corpus and the keys to change, not by a file of the token cache."""
+    (tmp_path / "tiny.txt").write_text("hello world\n")
+    with pytest.raises(UserError, match=r"/tiny.txt \(1 files\) leaves its validation split without tokens "
+                                        r"\(data.val_fraction=0.05\); give a larger corpus$"):
+        load_tokens(DataConfig(name="text", path=str(tmp_path / "tiny.txt"), cache_dir=str(tmp_path / "cache")))
+    with pytest.raises(UserError, match=r"^the validation split has 150 tokens, fewer than train.seq_len\+1=257; "
+                                        "give a larger corpus, raise data.val_fraction or lower train.seq_len$"):
+        eval_indices(np.zeros(150, dtype=np.uint16), 256, 8)
+
+
 def test_sampler_shares_are_disjoint_and_cover_the_epoch():
     n, world = 103, 4
     samplers = [WindowSampler(n, seed=7, rank=r, world_size=world) for r in range(world)]

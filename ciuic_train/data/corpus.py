@@ -116,6 +116,10 @@ def _load_cached(cfg: DataConfig, sources: Sources | DatasetRows, origin: str = 
         where = f"python {sys.version.split()[0]} stdlib" if sources.kind == "stdlib" else cfg.path
         origin = f"{where} ({len(sources.train) + len(sources.val)} files"
     what = _tokenizer_words(cfg, tokenizer)
+    for split, name in (("training", "train.bin"), ("validation", "val.bin")):
+        if (folder / name).stat().st_size < 2 * np.dtype(dtype).itemsize:  # the cache's file says nothing to a user
+            raise UserError(f"{origin}) leaves its {split} split without tokens (data.val_fraction="
+                            f"{cfg.val_fraction:g}); give a larger corpus")
     train, val = _open_bin(folder / "train.bin", dtype), _open_bin(folder / "val.bin", dtype)
     return TokenSplits(
         train, val, tokenizer.vocab_size, f"{origin}, {what})", tokenizer,

@@ -147,5 +147,6 @@ def eval_indices(tokens: np.ndarray, seq_len: int, count: int) -> torch.Tensor:
     """A fixed, evenly spread set of validation windows, the same at every evaluation."""
     available = n_windows(tokens, seq_len)
     if available < 1:
-        raise UserError(f"the validation split has fewer than seq_len+1={seq_len + 1} tokens")
+        raise UserError(f"the validation split has {len(tokens):,} tokens, fewer than train.seq_len+1={seq_len + 1}; "
+                        "give a larger corpus, raise data.val_fraction or lower train.seq_len")
     return torch.linspace(0, available - 1, min(count, available)).round().long().unique()
