@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +31,20 @@ from ciuic_train.tricks.base import TrickSet
 log = logging.getLogger("ciuic_train")
 
 
+@dataclass(eq=False)  # a holder of the run's parts, compared by identity
 class RunReport:
     """The run's words, built from its parts. `model` is what this rank holds; `model_shape`
     the whole model's shape (the same object but under a pipeline), for the counts."""
 
-    def __init__(self, config: Config, parallel: Parallel, model: Transformer, model_shape: Transformer,
-                 data: TokenSplits, tricks: TrickSet, watch: LossWatch, step_times: StepTimes,
-                 checkpointer: Checkpointer):
-        self.config = config
-        self.parallel = parallel
-        self.model = model
-        self.model_shape = model_shape
-        self.data = data
-        self.tricks = tricks
-        self.watch = watch
-        self.step_times = step_times
-        self.checkpointer = checkpointer
+    config: Config
+    parallel: Parallel
+    model: Transformer
+    model_shape: Transformer
+    data: TokenSplits
+    tricks: TrickSet
+    watch: LossWatch
+    step_times: StepTimes
+    checkpointer: Checkpointer
 
     def log_start(self) -> None:
         """The model, the data, and what building them took: a collective."""
