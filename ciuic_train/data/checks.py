@@ -22,13 +22,13 @@ def validate_data(data, pp: int, order_owner: str | None) -> None:
         raise UserError(f"data.name={data.name!r} is not one of: {', '.join(CORPORA)}")
     if data.name in ("text", "tokens") and not data.path:
         raise UserError(f"data={data.name} needs data.path=FILE, FOLDER or GLOB")
-    # Ignored, these would train on another corpus than the one the user named, silently.
+    # Ignored, it would leave the run on the standard library, not on the corpus it names.
     if data.name == "stdlib" and data.path:
         raise UserError(f"data.path={data.path} is read by data=text or data=tokens, not data=stdlib (the default); "
                         "add data=text or data=tokens")
+    _validate_tokenizer(data)
     if data.dtype and data.name != "tokens":
         raise UserError(f"data.dtype={data.dtype} is the type of data=tokens' .bin files, not data={data.name}'s")
-    _validate_tokenizer(data)
     _validate_documents(data, pp)
     _validate_dataset(data, order_owner)
 
