@@ -92,7 +92,7 @@ def test_empty_inputs_are_clear_errors(tmp_path):
 def test_a_corpus_too_small_to_train_on_says_so_and_what_to_do(tmp_path):
     """Named by the corpus and the keys to change, not by a file of the token cache."""
     (tmp_path / "tiny.txt").write_text("hello world\n")
-    with pytest.raises(UserError, match=r"/tiny.txt \(1 files\) leaves its validation split without tokens "
+    with pytest.raises(UserError, match=r"/tiny.txt \(1 file\) leaves its validation split without tokens "
                                         r"\(data.val_fraction=0.05\); give a larger corpus$"):
         load_tokens(DataConfig(name="text", path=str(tmp_path / "tiny.txt"), cache_dir=str(tmp_path / "cache")))
     with pytest.raises(UserError, match=r"^the validation split has 150 tokens, fewer than train.seq_len\+1=257; "

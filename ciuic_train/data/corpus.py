@@ -114,7 +114,8 @@ def _load_cached(cfg: DataConfig, sources: Sources | DatasetRows, origin: str = 
     dtype = read_token_meta(folder).get("dtype", "uint16")  # entries before tokens.json were bytes in uint16
     if not origin:
         where = f"python {sys.version.split()[0]} stdlib" if sources.kind == "stdlib" else cfg.path
-        origin = f"{where} ({len(sources.train) + len(sources.val)} files"
+        n_files = len(sources.train) + len(sources.val)
+        origin = f"{where} ({n_files} file{'s' if n_files != 1 else ''}"
     what = _tokenizer_words(cfg, tokenizer)
     for split, name in (("training", "train.bin"), ("validation", "val.bin")):
         if (folder / name).stat().st_size < 2 * np.dtype(dtype).itemsize:  # the cache's file says nothing to a user
