@@ -135,7 +135,8 @@ def test_cfg_checks_the_config_but_not_the_corpus(tmp_path: Path):
 @pytest.mark.parametrize(
     "args, shows",
     [(["--cfg", "job"], "max_steps: 300"), (["--list-tricks"], "chaotic_sampler"), (["--help"], "optim: adamw"),
-     (["--version"], "ciuic-train 0.1.0 (torch 2.13.0")],
+     (["--version"], "ciuic-train 0.1.0 (torch 2.13.0"),
+     (["--help", "model=tiny", "--plan", "train.max_steps=7"], "max_steps: 7")],  # an override after our flag too
 )
 def test_commands_that_only_print_do_not_import_torch(tmp_path: Path, args, shows):
     """Importing torch takes longer than all these commands do without it."""

@@ -32,8 +32,11 @@ from ciuic_train.launch import paths as launch, runlock
 def main(argv: list[str] | None = None) -> None:
     """The console script: answer what only prints, check what runs, then hand over to Hydra."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, _ = parse_hydra_command_line([a for a in argv if a != VERSION_FLAG])  # Hydra's would exit there
-    only_prints = any(flag in argv for flag in (PLAN_FLAG, VERSION_FLAG, LIST_TRICKS_FLAG)) or not runs_jobs(args)
+    # Our flags stay out of what Hydra's parser reads: it would set aside the overrides after
+    # one of them as that flag's, and exit at --version with Hydra's own.
+    ours = (PLAN_FLAG, SIMULATE_FLAG, VERSION_FLAG, LIST_TRICKS_FLAG)
+    args, _ = parse_hydra_command_line([a for a in argv if a not in ours])
+    only_prints = any(flag in argv for flag in ours) or not runs_jobs(args)
     # A command that only prints ends as any Unix tool does when its reader leaves
     # (`ciuic-train --help | head`): quietly, by SIGPIPE, not with a traceback (Hydra prints
     # one for --cfg, whatever we catch). Restored after, for a caller in the same process.
