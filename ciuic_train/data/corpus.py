@@ -117,11 +117,11 @@ def _load_cached(cfg: DataConfig, sources: Sources | DatasetRows, origin: str = 
         n_files = len(sources.train) + len(sources.val)
         origin = f"{where} ({n_files} file{'s' if n_files != 1 else ''}"
     what = _tokenizer_words(cfg, tokenizer)
-    for split, name in (("training", "train.bin"), ("validation", "val.bin")):
-        if (folder / name).stat().st_size < 2 * np.dtype(dtype).itemsize:  # the cache's file says nothing to a user
+    train, val = (_open_bin(folder / name, dtype, allow_empty=True) for name in ("train.bin", "val.bin"))
+    for split, tokens in (("training", train), ("validation", val)):
+        if len(tokens) < 2:  # said of the corpus: the cache's file would mean nothing to a user
             raise UserError(f"{origin}) leaves its {split} split without tokens (data.val_fraction="
                             f"{cfg.val_fraction:g}); give a larger corpus")
-    train, val = _open_bin(folder / "train.bin", dtype), _open_bin(folder / "val.bin", dtype)
     return TokenSplits(
         train, val, tokenizer.vocab_size, f"{origin}, {what})", tokenizer,
         DocumentIndex.beside([folder / "train.bin"], [len(train)]),
