@@ -237,11 +237,14 @@ def test_export_gives_one_file_that_loads_without_distributed(tmp_path, text_cor
     torch.testing.assert_close(model.eval()(tokens), trainer.model.eval()(tokens), rtol=0, atol=0)
 
 
-def test_sigterm_stops_a_sweep_after_saving_the_running_job(tmp_path, text_corpus):
-    """A signal ends the whole sweep: the running job saves, later jobs do not start."""
+@pytest.mark.parametrize("workers", [pytest.param([], id="in_process"),
+                                     pytest.param(["dist.nproc_per_node=2"], id="cli_launcher", marks=pytest.mark.slow)])
+def test_sigterm_stops_a_sweep_after_saving_the_running_job(tmp_path, text_corpus, workers):
+    """A signal ends the whole sweep: the running job saves, later jobs do not start. With
+    the CLI's launcher, the signal reaches the launching process only (a `kill` of it)."""
     sweep = tmp_path / "sweep"
     args = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=100000", "train.log_every=1", "ckpt.every=0",
-            "seed=0,1", f"hydra.sweep.dir={sweep}"]
+            "seed=0,1", f"hydra.sweep.dir={sweep}", *workers]
     process = start_training(["-m", *args], sweep / "0" / "metrics.jsonl", cwd=tmp_path)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)

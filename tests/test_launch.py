@@ -4,6 +4,7 @@ The paths at work, with real processes: tests/test_distributed.py (torchrun, the
 launcher) and tests/test_slurm.py (srun, the Hydra launchers).
 """
 
+import json
 import os
 
 import pytest
@@ -136,3 +137,12 @@ def test_quoted_values_read_back_verbatim(value):
 )
 def test_workers_exit_as_reported_only_when_rank_0_said_why_and_no_rank_crashed(exit_codes, reported):
     assert launch.reported_exit_status(exit_codes) == reported
+
+
+def test_workers_stopped_by_a_signal_count_as_stopped_beside_an_earlier_runs_summary(tmp_path):
+    """Rank 0 writes no summary when a signal stops the run; the folder may still hold the
+    summary of a shorter run it continues, which is not this run's result."""
+    assert launch.workers_result(tmp_path, 20)["stopped_by"] == "a signal"
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 10, "stopped_by": None, "final_val_loss": 2.5}))
+    assert launch.workers_result(tmp_path, 20)["stopped_by"] == "a signal"  # extended to 20, stopped before
+    assert launch.workers_result(tmp_path, 10) == {"steps": 10, "stopped_by": None, "final_val_loss": 2.5}

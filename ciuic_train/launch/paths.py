@@ -163,6 +163,7 @@ class ElasticLauncher(LaunchPath):
         import uuid
 
         from hydra.core.hydra_config import HydraConfig
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -188,6 +189,10 @@ class ElasticLauncher(LaunchPath):
         try:
             with _elastic_logs_quiet():
                 elastic_launch(launch, sys.executable)("-m", "ciuic_train", *overrides)
+        except SignalException as err:
+            # This process was signalled (a `kill` of the command): torch's agent passed the
+            # signal on to the workers and waited for them, which saved and stopped.
+            return {"stopped_by": err.sigval.name, "final_val_loss": float("nan")}
         except ChildFailedError as err:
             exit_codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
             reported = reported_exit_status(exit_codes)  # rank 0 has already said what went wrong
@@ -197,10 +202,19 @@ class ElasticLauncher(LaunchPath):
                 raise SystemExit(reported) from None
             failed = ", ".join(f"rank {rank} exit code {code}" for rank, code in sorted(exit_codes.items()))
             raise WorkersFailed(f"workers failed ({failed}); see {run_dir / 'train.log'}") from None
-        summary = run_dir / "summary.json"
-        if not summary.is_file():  # rank 0 writes none when a signal stopped the run after a save
-            return {"stopped_by": "a signal", "final_val_loss": float("nan")}
-        return json.loads(summary.read_text())
+        return workers_result(run_dir, config.train.max_steps)
+
+
+def workers_result(run_dir: Path, max_steps: int) -> dict[str, Any]:
+    """The summary the workers' rank 0 wrote, once they all exited cleanly. Rank 0 writes
+    none when a signal stopped the run after a save: then a summary.json there is an
+    earlier, shorter run's of the same folder (a finished run's has `max_steps` steps),
+    and the run counts as stopped."""
+    summary = run_dir / "summary.json"
+    written = json.loads(summary.read_text()) if summary.is_file() else None
+    if written is None or written.get("steps") != max_steps:
+        return {"stopped_by": "a signal", "final_val_loss": float("nan")}
+    return written
 
 
 ELASTIC_LOGS = "torch.distributed.elastic"
