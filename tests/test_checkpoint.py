@@ -171,7 +171,8 @@ def test_trick_change_can_be_forced(tmp_path, text_corpus):
 
 
 def start_training(args: list[str], metrics: Path, cwd: Path) -> subprocess.Popen:
-    """`ciuic-train ARGS` in the background, returned once it has logged its first step."""
+    """`ciuic-train ARGS` in the background, returned once it has logged its first step
+    (`stop_all` ends it and whatever it started)."""
     exe = os.path.join(os.path.dirname(sys.executable), "ciuic-train")
     process = subprocess.Popen([exe, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -181,6 +182,26 @@ def start_training(args: list[str], metrics: Path, cwd: Path) -> subprocess.Pope
     return process
 
 
+def stop_all(process: subprocess.Popen) -> None:
+    """Kill what `start_training` started and is still running, the CLI launcher's workers
+    included (torch starts each in a session of its own): a test that failed must not
+    leave workers training for the rest of the suite."""
+    for pid in [*descendants(process.pid), process.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid`, as /proc lists each one's children."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in map(int, children.read_text().split()):
+            found += [child, *descendants(child)]
+    return found
+
+
 def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(tmp_path, text_corpus):
     run_dir = tmp_path / "run"
     args = [*TINY, *corpus(text_corpus, tmp_path), "train.max_steps=100000", "train.log_every=1",
@@ -188,7 +209,10 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(tmp_path, text_cor
     process = start_training(args, run_dir / "metrics.jsonl", cwd=tmp_path)
     logged = len((run_dir / "metrics.jsonl").read_text().splitlines())  # one line a step: the step it is at, or past
     process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=60)
+    try:
+        out, err = process.communicate(timeout=60)
+    finally:
+        stop_all(process)
     assert process.returncode == 0, err
     (checkpoint,) = (run_dir / "checkpoints").iterdir()
     assert "stopped by SIGTERM" in out and not (run_dir / "summary.json").exists()
@@ -247,7 +271,10 @@ def test_sigterm_stops_a_sweep_after_saving_the_running_job(tmp_path, text_corpu
             "seed=0,1", f"hydra.sweep.dir={sweep}", *workers]
     process = start_training(["-m", *args], sweep / "0" / "metrics.jsonl", cwd=tmp_path)
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=60)
+    try:
+        _, err = process.communicate(timeout=60)
+    finally:
+        stop_all(process)
     assert process.returncode == 1, err
     assert "sweep stopped by SIGTERM during job #0; later jobs were not started" in err
     assert any((sweep / "0" / "checkpoints").iterdir()) and not (sweep / "1").exists()
