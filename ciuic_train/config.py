@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ciuic_train.data.checks import validate_data
 from ciuic_train.errors import UserError
+from ciuic_train.ft.config import FtConfig, check_ft
 from ciuic_train.model.config import ModelConfig
 from ciuic_train.train.trackers import check_loggers
 from ciuic_train.tricks import check_tricks, seam_owner
@@ -346,6 +347,8 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    # Fault tolerance across replica groups (torchft): ciuic_train/ft/config.py.
+    ft: FtConfig = field(default_factory=FtConfig)
     # none: start fresh; auto: the latest complete checkpoint in the run folder, if any;
     # or a path to a checkpoint (step_<N>) or to a run folder.
     resume: str = "auto"
@@ -465,6 +468,7 @@ def validate(config: Config) -> None:
         raise UserError(f"dist.nnodes={config.dist.nnodes} must be at least 1")
     if config.dist.timeout_s < 1:
         raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
+    check_ft(config.ft, config.dist.pp, config.train.log_grad_consistency)
     check_tricks(config.trick)
     check_loggers(config.logger)
     from ciuic_train.distributed.pipeline_split import check_pipeline  # the package needs this module first

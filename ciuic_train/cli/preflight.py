@@ -34,6 +34,7 @@ from ciuic_train.distributed.mesh import expected_mesh, expected_world, refuse_c
 from ciuic_train.distributed.pipeline_split import check_pipeline_mesh
 from ciuic_train.errors import UserError
 from ciuic_train.launch import paths as launch
+from ciuic_train.launch.replica_groups import check_ft_launch
 from ciuic_train.tricks import seam_owner
 
 # Our launchers (conf/hydra/launcher/) and what each needs beyond Hydra itself.
@@ -82,6 +83,8 @@ def check_request(
         checked = [_check_job(job, config_only, check_mesh=launcher is None) for job in jobs]
     if not config_only and launcher is None:
         for job in checked:
+            starts_workers = isinstance(path, launch.ElasticLauncher) and job.config.dist.nproc_per_node > 1
+            check_ft_launch(job.config, starts_workers, isinstance(path, launch.SrunTask))
             _check_gpus(job.config, path)
             if check_memory:
                 _check_memory(job.config, path)

@@ -160,6 +160,13 @@ class ElasticLauncher(LaunchPath):
         nproc = config.dist.nproc_per_node
         if nproc == 1:
             return None
+        if config.ft.enabled:  # replica groups, each its own torchrun: ciuic_train/launch/replica_groups.py
+            from hydra.core.hydra_config import HydraConfig
+
+            from ciuic_train.launch.replica_groups import start_replica_groups
+
+            runlock.lend_to_children(run_dir)
+            return start_replica_groups(config, run_dir, list(HydraConfig.get().overrides.task))
         import uuid
 
         from hydra.core.hydra_config import HydraConfig

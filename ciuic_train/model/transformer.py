@@ -288,6 +288,11 @@ class Transformer(nn.Module):
             moe.tokens_per_expert.zero_()
         return imbalance
 
+    def expert_counts(self) -> list[torch.Tensor]:
+        """Each MoE layer's token counts since the last balancing step (summed in place
+        across replica groups before it, so that every group makes the same step)."""
+        return [moe.tokens_per_expert for moe in self.moe_layers().values()]
+
     def forget_expert_counts(self) -> None:
         """Drop the counts of a step that is not applied, instead of `balance_experts`."""
         for moe in self.moe_layers().values():

@@ -63,6 +63,7 @@ from ciuic_train.distributed.params import peak_memory_bytes
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.errors import RunFailed, first_line
 from ciuic_train.files import format_bytes
+from ciuic_train.ft.replicas import local_state, load_local_state, replica_groups
 from ciuic_train.model import Transformer, generate
 from ciuic_train.model.common import IGNORE_INDEX
 from ciuic_train.model.init import ParameterInit
@@ -105,8 +106,12 @@ class Trainer:
         self.device = self.parallel.device
         use_tf32(self.device, config.tf32)
         train = config.train
-        # The share of the data this rank sees: a pipeline's stages see the same.
-        rank, world = self.parallel.data_rank, self.parallel.data_world
+        # The replica groups (ft.*), first: a group is known to the others before it builds.
+        self.replicas = replica_groups(config.ft, self.parallel, self._live_state, self._load_live_state)
+        # The share of the data this rank sees: a pipeline's stages see the same; the groups
+        # of `ft` each their own.
+        rank, world = self.replicas.data_share(self.parallel.data_rank, self.parallel.data_world)
+        self.data_world = world
 
         random.seed(config.seed)
         torch.manual_seed(config.seed)
@@ -123,7 +128,9 @@ class Trainer:
             self.model = Transformer(config.model)
             # The whole model's shape, for counts, whatever part of it this rank holds.
             self.model_shape = Transformer(config.model) if config.dist.pp > 1 else self.model
-        self.resumed_from = resolve_resume(config.resume, run_dir)
+        # The replica groups of `ft` share one checkpoint folder (ft.checkpoints).
+        self.checkpoint_root = Path(config.ft.checkpoints) if config.ft.enabled and config.ft.checkpoints else run_dir
+        self.resumed_from = resolve_resume(config.resume, self.checkpoint_root)
         self.memory = OutOfMemoryGuard(config, self.parallel.info.rank, run_dir)  # an allocator's failure: one line
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -145,22 +152,28 @@ class Trainer:
         # Each rank evaluates its own slice of the fixed validation windows (the same set for
         # every layout), in the same number of batches everywhere (sharded and
         # expert-parallel forwards are collectives).
+        # (A replica group evaluates them all: it may be the only one left.)
         val_windows = eval_indices(self.data.val, train.seq_len, train.eval_windows)
-        self.val_windows = val_windows[rank::world]
-        self.val_batches = -(-len(val_windows[0::world]) // train.batch_size)
+        val_rank, val_world = self.parallel.data_rank, self.parallel.data_world
+        self.val_windows = val_windows[val_rank::val_world]
+        self.val_batches = -(-len(val_windows[0::val_world]) // train.batch_size)
         self.val_filler = val_windows[:1]
-        self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum * world
+        # Of this replica group (all of them without `ft`).
+        self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum * val_world
         self.cadence = Cadence(train, config.ckpt, self.tricks.should_save)
         self.watch = LossWatch(train, self.parallel.is_main)
         self.step_times = StepTimes(train, self.parallel)
         self.step = 0
-        self.checkpointer = Checkpointer(run_dir / "checkpoints", self.parallel.info.rank, self.parallel.world_size,
-                                         config.ckpt.keep_last, config.ckpt.async_save)
+        self.checkpointer = Checkpointer(self.checkpoint_root / "checkpoints", self.parallel.info.rank,
+                                         self.parallel.world_size, config.ckpt.keep_last, config.ckpt.async_save)
         self.report = RunReport(config, self.parallel, self.model, self.model_shape, self.data, self.tricks,
                                 self.watch, self.step_times, self.checkpointer)
-        if self.resumed_from is not None:
+        # A replica group that restarts beside live ones takes their state at its first
+        # step; the checkpoint only if none of them is ahead (every group restarted).
+        self.deferred_resume = self.resumed_from if self.replicas.restarted() else None
+        if self.resumed_from is not None and self.deferred_resume is None:
             self._resume(self.resumed_from)
-        elif self.parallel.is_main:  # a fresh start: lines a previous attempt logged are not this run's
+        elif self.parallel.is_main and self.resumed_from is None:  # a fresh start: lines a previous attempt logged are not this run's
             drop_metrics_after(run_dir / "metrics.jsonl", 0)
         if self.parallel.is_main:
             self.checkpointer.warn_if_space_is_short(self.model_shape, self.resumed_from)
@@ -180,34 +193,51 @@ class Trainer:
                      f"{format_bytes(peak_memory_bytes(self.device))}")
 
     def _meta(self) -> dict[str, Any]:
-        fingerprint = run_fingerprint(self.config.model, self.tricks.names, self.parallel.data_world)
-        return {**fingerprint, "data_parallel_size": self.parallel.data_world, "strategy": self.parallel.strategy,
+        fingerprint = run_fingerprint(self.config.model, self.tricks.names, self.data_world)
+        return {**fingerprint, "data_parallel_size": self.data_world, "strategy": self.parallel.strategy,
                 "mesh": self.parallel.mesh.shape.as_dict()}
 
-    def save_checkpoint(self) -> Path:
-        rank_state = {
+    def _rank_state(self) -> dict[str, Any]:
+        return {
             "step": self.step,
             "sampler": self.windows.state_dict(),
             "tricks": self.tricks.state_dict(),
             "loss_watch": self.watch.state_dict(),
         }
+
+    def save_checkpoint(self) -> Path:
         meta = {**self._meta(), "data": self.windows.global_position()}
-        return self.checkpointer.save(self.step, self.model, self.optimizer, rank_state, meta)
+        return self.checkpointer.save(self.step, self.model, self.optimizer, self._rank_state(), meta)
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a replica group that heals receives from this rank (ciuic_train/ft/replicas.py)."""
+        return {"model": local_state(self.model.state_dict()), "optimizer": local_state(self.optimizer.state_dict()),
+                "rank": self._rank_state()}
+
+    def _load_live_state(self, state: dict[str, Any]) -> None:
+        load_local_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        self._load_rank_state(state["rank"])
+        self.deferred_resume = None
+        log.info(f"replica group {self.replicas.group}: live state of step {self.step} received from a peer")
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.windows.load_state_dict(state["sampler"])
+        self.tricks.load_state_dict(state["tricks"])
+        if "loss_watch" in state:  # absent from checkpoints that predate it
+            self.watch.load_state_dict(state["loss_watch"])
 
     def _resume(self, path: Path) -> None:
         meta = read_meta(path)
         check_resumable(meta, self._meta(), self.config.ckpt.allow_trick_change)
-        same_world = data_world(meta) == self.parallel.data_world
+        same_world = data_world(meta) == self.data_world
         # On another number of data shares, rank 0's state serves all (check_resumable allowed
         # it only where nothing in it is per rank but the data position, split anew here);
         # on as many, the first stage's rank of this rank's share (pp is outermost).
         state_of = self.parallel.data_rank if same_world else 0
         state = self.checkpointer.load(path, self.model, self.optimizer, state_of_rank=state_of)
-        self.step = state["step"]
-        self.windows.load_state_dict(state["sampler"] if same_world else self.windows.share_of(meta["data"]))
-        self.tricks.load_state_dict(state["tricks"])
-        if "loss_watch" in state:  # absent from checkpoints that predate it
-            self.watch.load_state_dict(state["loss_watch"])
+        self._load_rank_state({**state, "sampler": state["sampler"] if same_world else self.windows.share_of(meta["data"])})
+        self.replicas.set_step(self.step)
         if self.parallel.is_main:
             drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
         log.info(f"resumed from {path} at step {self.step}; peak memory of this rank so far "
@@ -243,6 +273,11 @@ class Trainer:
         """
         train = self.config.train
         self.step_times.start()
+        self.replicas.start_step()  # a replica group behind the others takes their state here
+        if self.deferred_resume is not None:  # none of them was ahead: the checkpoint, after all
+            self._resume(self.deferred_resume)
+            self.deferred_resume = None
+        data_position = self.windows.state_dict()
         lr = self.tricks.lr_at(self.step, self.lr_schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -266,14 +301,24 @@ class Trainer:
         if measure_consistency:
             figures["grad_consistency"] = average_gradients_with_consistency(list(self.model.parameters()), self.parallel)
 
+        total_weight = sum(weights)
+        # Across replica groups (ft): the gradients and figures averaged, the experts' token counts summed.
+        across = self.replicas.average_(
+            [p.grad for p in self.model.parameters() if p.grad is not None],
+            torch.stack([loss_sum / total_weight, *(value / total_weight for value in side_sums.values())]),
+            sums=self.model.expert_counts(),
+        )
+        loss_mean, side_losses = across[0], dict(zip(side_sums, across[1:]))
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
         grad_norm = self.passes.clip_grad_norm_(max_norm)
-        total_weight = sum(weights)
-        side_losses = {name: value / total_weight for name, value in side_sums.items()}
         slow_down(self.config.fault, self.parallel.info.rank)
         self.step_times.reached_agreement(exact=self.cadence.logs(self.step + 1, False, False))
-        check = self.watch.agree(self.parallel, loss_sum / total_weight, grad_norm, stop.votes() if stop else [],
-                                 side_losses)
+        check = self.watch.agree(self.parallel, loss_mean, grad_norm, stop.votes() if stop else [], side_losses)
+        if not self.replicas.commit():  # a replica group was lost during the step: it is retried
+            self.windows.load_state_dict(data_position)
+            self.model.forget_expert_counts()
+            self.optimizer.zero_grad(set_to_none=not self.passes.grads_are_bucket_views())
+            return {"committed": False, "stop_signal": check.stop_signal}
         verdict = self.watch.judge(self.step + 1, check)
         if verdict == "apply":
             self.optimizer.step()
@@ -287,7 +332,8 @@ class Trainer:
             raise RunFailed(self._nonfinite_message(check, lr))
         self.step += 1
         return {"loss": check.loss, "lr": lr, "grad_norm": check.grad_norm, "moe_imbalance": moe_imbalance,
-                "applied": verdict == "apply", "stop_signal": check.stop_signal, **check.side_losses, **figures}
+                "committed": True, "applied": verdict == "apply", "stop_signal": check.stop_signal,
+                **check.side_losses, **figures, **self.replicas.step_figures()}
 
     def _nonfinite_message(self, check: StepCheck, lr: float) -> str:
         """Why the run stops, and how to continue from the last checkpoint that is good."""
@@ -336,6 +382,8 @@ class Trainer:
         except BaseException:
             metrics.close(failed=True)  # so a tracker's run ends marked failed, not left running
             raise
+        finally:
+            self.replicas.close()
         metrics.close()
         return summary
 
@@ -360,6 +408,8 @@ class Trainer:
                 cap_address_space(self.config.fault, rank, self.step + 1)
                 with self.memory.during(f"step {self.step + 1}"):
                     figures = self.train_step(stop)
+                if not figures["committed"]:  # nothing changed; the step runs again
+                    continue
                 profiled()
                 throughput.count_step()
                 if figures["applied"]:
@@ -382,12 +432,12 @@ class Trainer:
                     progress.report(record)
                     last_logged_loss = record["loss"]
                     losses_since_log.clear()
-                if saves:
+                if saves and self.replicas.saves():
                     with throughput.paused():
                         self.save_checkpoint()
                 if stopped_by:
                     break
-                inject_fault(self.config.fault, rank, self.step)
+                inject_fault(self.config.fault, self.replicas.global_rank(rank), self.step)
             self.checkpointer.wait()  # the last save, written in the background, is complete before the run ends
         self.tricks.close()
         run = {
@@ -396,6 +446,7 @@ class Trainer:
             "final_val_loss": last_val,
             "tokens_per_s": throughput.run_rate(),
             "wall_s": throughput.elapsed_s(),
+            **self.replicas.summary(),
         }
         return self.report.finish(self.step, run, self.resumed_from, self.run_dir, metrics)
 

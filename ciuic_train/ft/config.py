@@ -1,0 +1,76 @@
+"""The schema of `ft.*` (fault tolerance across replica groups) and its checks; no torch.
+
+With `ft.enabled=true` the outer data-parallel dimension is split into `ft.groups`
+replica groups, each its own torch.distributed world (DDP, FSDP or `ep` inside it as
+without `ft`), tied together by torchft: a lighthouse that forms a quorum of the live
+groups before each step, and a Manager in each group that averages across them. A group
+that dies leaves the others training; one that (re)starts takes the live state from a
+peer (ciuic_train/ft/replicas.py). Every step the gradients are averaged across the
+live groups: the same update as one DDP world of the same global batch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ciuic_train.errors import UserError
+
+
+@dataclass
+class FtConfig:
+    enabled: bool = False
+    # Replica groups the CLI's launcher starts: dist.nproc_per_node ranks split evenly
+    # between them (2 groups of 4 for dist.nproc_per_node=8 ft.groups=2).
+    groups: int = 2
+    # A running lighthouse (http://host:port, `torchft_lighthouse`); empty: the CLI's
+    # launcher starts one for its groups. Groups started by hand (torchrun, srun) name one.
+    lighthouse: str = ""
+    # This process's replica group, 0 to groups-1: set by the CLI's launcher for each
+    # group it starts; give it by hand to a group started by torchrun.
+    group: int = 0
+    # The checkpoints/ folder's run folder, shared by every group (the lowest live group
+    # writes it, each resumes from it); empty: this group's run folder. The CLI's launcher
+    # points every group at the run's folder.
+    checkpoints: str = ""
+    # A step commits when at least this many groups take part; fewer: it is retried.
+    min_groups: int = 1
+    # Seconds a collective across groups waits before a silent group counts as gone: the
+    # longest stall a dead group costs the others.
+    timeout_s: float = 10.0
+    # Seconds a group waits for the quorum (a restarting group's peers, the lighthouse).
+    quorum_timeout_s: float = 120.0
+    # The lighthouse waits this long for groups that heartbeat but have not asked to join
+    # before it forms a quorum without them.
+    join_timeout_ms: int = 1000
+
+
+# Where the CLI's launcher tells the groups it started to meet once before their first step.
+START_STORE = "CIUIC_TRAIN_FT_START_STORE"
+
+LIGHTHOUSE_ADDRESS = re.compile(r"^https?://[^\s/:]+(:\d+)?/?$")
+
+
+def check_ft(ft: FtConfig, pp: int, log_grad_consistency: bool) -> None:
+    """`ft.*` against the schema's limits and what a group may run inside; one line each."""
+    if not ft.enabled:
+        return
+    if ft.groups < 1:
+        raise UserError(f"ft.groups={ft.groups} must be at least 1")
+    if not 0 <= ft.group < ft.groups:
+        raise UserError(f"ft.group={ft.group} must be between 0 and ft.groups-1={ft.groups - 1}")
+    if not 1 <= ft.min_groups <= ft.groups:
+        raise UserError(f"ft.min_groups={ft.min_groups} must be between 1 and ft.groups={ft.groups}")
+    for key in ("timeout_s", "quorum_timeout_s"):
+        if getattr(ft, key) <= 0:
+            raise UserError(f"ft.{key}={getattr(ft, key)} must be positive")
+    if ft.join_timeout_ms < 0:
+        raise UserError(f"ft.join_timeout_ms={ft.join_timeout_ms} must be 0 or more")
+    if ft.lighthouse and not LIGHTHOUSE_ADDRESS.match(ft.lighthouse):
+        raise UserError(f"ft.lighthouse={ft.lighthouse!r} must be an address http://host:port")
+    if pp > 1:
+        raise UserError(f"ft.enabled=true with dist.pp={pp}: replica groups of pipelines are not supported; "
+                        "use dist.pp=1 inside each group")
+    if log_grad_consistency:
+        raise UserError("train.log_grad_consistency=true measures DDP's all-reduce within one world; "
+                        "with ft.enabled=true turn it off")
