@@ -108,7 +108,10 @@ class ReplicaGroups(OneGroup):
         self.ft, self.parallel = ft, parallel
         self.groups, self.group = ft.groups, ft.group
         self._load, self._healed_at = load, None
-        self._last_participants, self._failed_since, self.longest_stall_s, self.retried_steps = ft.groups, None, 0.0, 0
+        self._last_participants, self.retried_steps = ft.groups, 0
+        # The longest step of this group, from its first attempt to its commit: whatever a lost
+        # group cost it (the quorum waiting for it, a collective timing out, the retry).
+        self._attempt_started, self._last_commit, self.longest_stall_s = None, None, 0.0
         self._wait_for_all = True
         timeout = timedelta(seconds=ft.timeout_s)
         pg = ProcessGroupNCCL(timeout) if parallel.device.type == "cuda" else ProcessGroupGloo(timeout)
@@ -151,8 +154,9 @@ class ReplicaGroups(OneGroup):
         return {"participants": self.manager.num_participants()}
 
     def start_step(self) -> None:
-        self._step_started = time.perf_counter()
         self._healed_at = None
+        if self._attempt_started is None:  # a retried step keeps the time of its first attempt
+            self._attempt_started = time.perf_counter()
         if self._wait_for_all:
             self._wait_for_all = False
             _all_groups_started(self.groups, self.ft.quorum_timeout_s, self.parallel.info.rank)
@@ -166,8 +170,10 @@ class ReplicaGroups(OneGroup):
         participants = self.manager.num_participants()
         if participants != self._last_participants and self.parallel.is_main:
             how = "healed from a peer: " if self._healed_at is not None else ""
+            since = (f" ({time.perf_counter() - self._last_commit:.1f} s after the last step)"
+                     if self._last_commit is not None else "")
             log.warning(f"replica group {self.group}: {how}{participants} of {self.groups} groups take part "
-                        f"from step {self.manager.current_step() + 1}")
+                        f"from step {self.manager.current_step() + 1}{since}")
         self._last_participants = participants
 
     def _heal(self, state: dict) -> None:
@@ -203,19 +209,17 @@ class ReplicaGroups(OneGroup):
 
     def commit(self) -> bool:
         committed = self.manager.should_commit()
-        now = time.perf_counter()
         if not committed:
             self.retried_steps += 1
-            self._failed_since = self._failed_since or self._step_started
-        elif self._failed_since is not None:
-            stall = now - self._failed_since
-            self.longest_stall_s = max(self.longest_stall_s, stall)
             if self.parallel.is_main:
-                log.warning(f"replica group {self.group}: step {self.manager.current_step()} committed "
-                            f"{stall:.1f} s after a group was lost ({self.manager.num_participants()} of "
-                            f"{self.groups} groups now)")
-            self._failed_since = None
-        return committed
+                log.warning(f"replica group {self.group}: step {self.manager.current_step() + 1} is retried: a "
+                            f"group was lost during it (its collective waited ft.timeout_s={self.ft.timeout_s:g} s)")
+            return False
+        now = time.perf_counter()
+        if not self.healed():  # a healing step's wait is its own restart's, not a stall
+            self.longest_stall_s = max(self.longest_stall_s, now - self._attempt_started)
+        self._attempt_started, self._last_commit = None, now
+        return True
 
     def saves(self) -> bool:
         """Whether this group writes the checkpoints: the lowest of the groups taking part."""
@@ -301,7 +305,12 @@ def _group_store() -> tuple[str, int]:
 
 
 def _torchft_logs_to_file() -> None:
-    """torchft logs every quorum and commit: those lines belong in train.log, not the terminal."""
+    """torchft logs every quorum and commit: those lines belong in train.log, not the terminal.
+
+    Its checkpoint server (http.server) writes each request to stderr; it goes to torchft's log too."""
+    from http.server import BaseHTTPRequestHandler
+
+    BaseHTTPRequestHandler.log_message = lambda handler, form, *args: logging.getLogger("torchft").info(form % args)
     for name in TORCHFT_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(logging.INFO)

@@ -32,8 +32,17 @@ class MetricsFile:
     """
 
     def __init__(self, path: Path | None, trackers: Trackers | None = None):
+        self.path = path
         self._file = open(path, "a", encoding="utf-8") if path is not None else None
         self._trackers = trackers or Trackers([])
+
+    def drop_after(self, step: int) -> None:
+        """`drop_metrics_after` on the open file: a run that resumes once it is training
+        (a replica group that found no live peer) forgets the steps it will train again."""
+        if self._file is not None:
+            self._file.close()
+            drop_metrics_after(self.path, step)
+            self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:

@@ -164,16 +164,17 @@ class Trainer:
         self.watch = LossWatch(train, self.parallel.is_main)
         self.step_times = StepTimes(train, self.parallel)
         self.step = 0
+        self.metrics: MetricsFile | None = None  # open while `fit` runs
         self.checkpointer = Checkpointer(self.checkpoint_root / "checkpoints", self.parallel.info.rank,
                                          self.parallel.world_size, config.ckpt.keep_last, config.ckpt.async_save)
         self.report = RunReport(config, self.parallel, self.model, self.model_shape, self.data, self.tricks,
                                 self.watch, self.step_times, self.checkpointer)
         # A replica group that restarts beside live ones takes their state at its first
-        # step; the checkpoint only if none of them is ahead (every group restarted).
-        self.deferred_resume = self.resumed_from if self.replicas.restarted() else None
-        if self.resumed_from is not None and self.deferred_resume is None:
+        # step (`_after_rejoining`); the checkpoint only if none of them is ahead.
+        self.rejoining = self.replicas.restarted()
+        if self.resumed_from is not None and not self.rejoining:
             self._resume(self.resumed_from)
-        elif self.parallel.is_main and self.resumed_from is None:  # a fresh start: lines a previous attempt logged are not this run's
+        elif self.parallel.is_main and self.resumed_from is None and not self.replicas.restarted():  # a fresh start: lines a previous attempt logged are not this run's
             drop_metrics_after(run_dir / "metrics.jsonl", 0)
         if self.parallel.is_main:
             self.checkpointer.warn_if_space_is_short(self.model_shape, self.resumed_from)
@@ -217,7 +218,6 @@ class Trainer:
     def _load_live_state(self, state: dict[str, Any]) -> None:
         load_local_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self._load_rank_state(state["rank"])
-        self.deferred_resume = None
         log.info(f"replica group {self.replicas.group}: live state of step {self.step} received from a peer")
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
@@ -238,10 +238,23 @@ class Trainer:
         state = self.checkpointer.load(path, self.model, self.optimizer, state_of_rank=state_of)
         self._load_rank_state({**state, "sampler": state["sampler"] if same_world else self.windows.share_of(meta["data"])})
         self.replicas.set_step(self.step)
-        if self.parallel.is_main:
+        if self.metrics is not None:  # resumed once training (a deferred resume)
+            self.metrics.drop_after(self.step)
+        elif self.parallel.is_main:
             drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
         log.info(f"resumed from {path} at step {self.step}; peak memory of this rank so far "
                  f"{format_bytes(peak_memory_bytes(self.device))}")
+
+    def _after_rejoining(self) -> None:
+        """A restarted replica group's first quorum is over: it healed from a peer, or no
+        peer was ahead (every group restarted) and it resumes as a first start would."""
+        self.rejoining = False
+        if self.replicas.healed():
+            return
+        if self.resumed_from is not None:
+            self._resume(self.resumed_from)
+        else:
+            self.metrics.drop_after(0)
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         return self.passes.loss(inputs, targets, reduction)
@@ -274,9 +287,8 @@ class Trainer:
         train = self.config.train
         self.step_times.start()
         self.replicas.start_step()  # a replica group behind the others takes their state here
-        if self.deferred_resume is not None:  # none of them was ahead: the checkpoint, after all
-            self._resume(self.deferred_resume)
-            self.deferred_resume = None
+        if self.rejoining:
+            self._after_rejoining()
         data_position = self.windows.state_dict()
         lr = self.tricks.lr_at(self.step, self.lr_schedule)
         for group in self.optimizer.param_groups:
@@ -376,7 +388,7 @@ class Trainer:
         self.report.log_start()
         is_main = self.parallel.is_main
         trackers = Trackers.open(self.config.logger, self.run_dir, self.step, self.config) if is_main else None
-        metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None, trackers)
+        metrics = self.metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None, trackers)
         try:
             summary = self._train(metrics)
         except BaseException:
