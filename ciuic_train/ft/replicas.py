@@ -213,7 +213,7 @@ class ReplicaGroups(OneGroup):
             self.retried_steps += 1
             if self.parallel.is_main:
                 log.warning(f"replica group {self.group}: step {self.manager.current_step() + 1} is retried: a "
-                            f"group was lost during it (its collective waited ft.timeout_s={self.ft.timeout_s:g} s)")
+                            "group was lost during it")
             return False
         now = time.perf_counter()
         if not self.healed():  # a healing step's wait is its own restart's, not a stall

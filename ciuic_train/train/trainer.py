@@ -314,6 +314,7 @@ class Trainer:
             figures["grad_consistency"] = average_gradients_with_consistency(list(self.model.parameters()), self.parallel)
 
         total_weight = sum(weights)
+        slow_down(self.config.fault, self.replicas.global_rank(self.parallel.info.rank))  # before any exchange
         # Across replica groups (ft): the gradients and figures averaged, the experts' token counts summed.
         across = self.replicas.average_(
             [p.grad for p in self.model.parameters() if p.grad is not None],
@@ -323,7 +324,6 @@ class Trainer:
         loss_mean, side_losses = across[0], dict(zip(side_sums, across[1:]))
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
         grad_norm = self.passes.clip_grad_norm_(max_norm)
-        slow_down(self.config.fault, self.parallel.info.rank)
         self.step_times.reached_agreement(exact=self.cadence.logs(self.step + 1, False, False))
         check = self.watch.agree(self.parallel, loss_mean, grad_norm, stop.votes() if stop else [], side_losses)
         if not self.replicas.commit():  # a replica group was lost during the step: it is retried

@@ -1,0 +1,167 @@
+"""Fault tolerance across replica groups (`ft.*`, torchft): real processes, gloo, a real
+lighthouse. The CLI's launcher starts the lighthouse and one torchrun per group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import compose_config, run_cli
+
+pytest.importorskip("torchft")
+
+TINY = ["model=tiny", "sample.max_new_tokens=0", "train.log_every=5", "train.eval_every=1000", "progress=plain"]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["ft.enabled=true", "dist.nproc_per_node=3", "ft.groups=2"],
+         "ft.groups=2 does not divide dist.nproc_per_node=3"),
+        (["ft.enabled=true"], "needs the lighthouse they share: ft.lighthouse=http://host:port"),
+        (["ft.enabled=true", "ft.lighthouse=http://127.0.0.1:9"], "ft.lighthouse=http://127.0.0.1:9 does not answer"),
+        (["ft.enabled=true", "ft.lighthouse=127.0.0.1:9"], "must be an address http://host:port"),
+        (["ft.enabled=true", "ft.group=2"], "ft.group=2 must be between 0 and ft.groups-1=1"),
+        (["ft.enabled=true", "dist.nproc_per_node=2", "ft.min_groups=3"], "ft.min_groups=3 must be between 1"),
+        (["ft.enabled=true", "dist.nproc_per_node=4", "dist.pp=2"], "replica groups of pipelines are not supported"),
+        (["ft.enabled=true", "ft.timeout_s=0"], "ft.timeout_s=0.0 must be positive"),
+    ],
+)
+def test_ft_mistakes_get_one_line_and_start_nothing(tmp_path: Path, args, expected):
+    run_dir = tmp_path / "run"
+    result = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert not run_dir.exists()
+
+
+def test_ft_is_off_by_default_and_typed():
+    config = compose_config()
+    assert config.ft.enabled is False and config.ft.groups == 2 and config.ft.timeout_s == 10.0
+
+
+@pytest.mark.slow
+def test_two_groups_without_faults_train_as_ddp_of_the_same_global_batch(tmp_path: Path):
+    """2 groups of 1 rank against 2-rank DDP: the same losses and bit-identical weights."""
+    common = [*TINY, "train.max_steps=20", "dist.nproc_per_node=2", f"data.cache_dir={tmp_path / 'cache'}"]
+    ft_run, ddp_run = tmp_path / "ft", tmp_path / "ddp"
+    result = run_cli(*common, "ft.enabled=true", "ft.groups=2", f"hydra.run.dir={ft_run}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli(*common, f"hydra.run.dir={ddp_run}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    groups = [metrics(ft_run), metrics(ft_run / "group_1")]
+    ddp = metrics(ddp_run)
+    for group in groups:
+        assert [r["step"] for r in group] == [r["step"] for r in ddp] == [5, 10, 15, 20]
+        assert all(r["participants"] == 2 for r in group)
+        for mine, theirs in zip(group, ddp):
+            assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-6)
+            assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], abs=1e-6)
+    checksums = {summary(ft_run)["param_checksum"], summary(ft_run / "group_1")["param_checksum"],
+                 summary(ddp_run)["param_checksum"]}
+    assert len(checksums) == 1
+    # The lowest group wrote the checkpoint, into the run's one folder; torchft's lines went to train.log.
+    assert summary(ft_run)["checkpoint_saves"] == 1 and summary(ft_run / "group_1")["checkpoint_saves"] == 0
+    assert (ft_run / "checkpoints" / "step_000020").is_dir() and not (ft_run / "group_1" / "checkpoints").exists()
+    assert "torchft" in (ft_run / "train.log").read_text() and "torchft" not in result.stdout + result.stderr
+
+
+def _assert_survived_and_healed(run_dir: Path, max_steps: int) -> tuple[dict, list[dict]]:
+    survivor = metrics(run_dir)
+    steps = [r["step"] for r in survivor]
+    assert steps == sorted(set(steps)) and steps[-1] == max_steps  # strictly increasing: no step redone
+    assert any(r["participants"] == 1 for r in survivor)  # it trained on alone
+    assert survivor[-1]["participants"] == 2  # and the restarted group came back
+    rejoined = run_dir / "group_1"
+    log = (rejoined / "train.log").read_text()
+    assert "received from a peer" in log and "resumed from" not in log  # the live state, no checkpoint read
+    mine, theirs = summary(run_dir), summary(rejoined)
+    assert mine["param_checksum"] == theirs["param_checksum"]
+    return mine, [json.loads(line) for line in (rejoined / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_group_killed_between_steps_leaves_the_other_training_and_heals_on_restart(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        *TINY, "train.max_steps=60", "dist.nproc_per_node=2", "ft.enabled=true", "dist.max_restarts=1",
+        "fault.kill_rank=1", "fault.at_step=20", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    mine, rejoined = _assert_survived_and_healed(run_dir, 60)
+    assert mine["retried_steps"] == 0  # lost between two steps: the next quorum went on without it
+    assert 0 < mine["longest_stall_s"] < 30
+    assert "1 of 2 groups take part from step 21" in result.stdout + result.stderr
+    steps = [r["step"] for r in rejoined]
+    assert steps[:4] == [5, 10, 15, 20] and steps == sorted(set(steps)) and steps[-1] == 60
+
+
+def _worker_pids(group: int) -> list[int]:
+    """The training processes (not torchrun) of replica group `group`, from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"ft.group={group}".encode() in argv and b"torch.distributed.run" not in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_group_killed_during_a_step_costs_the_other_one_retried_step(tmp_path: Path):
+    """Group 1 sleeps before each step's exchange, so group 0 waits in the collective
+    when group 1 is SIGKILLed: the collective fails, the step is
+    dropped and retried without group 1, none is applied twice. Group 1 is not
+    restarted (dist.max_restarts=0): the job still ends well, on group 0's summary."""
+    run_dir = tmp_path / "run"
+    command = [
+        str(Path(sys.executable).with_name("ciuic-train")), *TINY, "train.max_steps=30", "dist.nproc_per_node=2",
+        "ft.enabled=true", "ft.timeout_s=5", "fault.slow_rank=1", "fault.slow_s=0.5",
+        f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
+    ]
+    launcher = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "metrics.jsonl").is_file() or not metrics(run_dir):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run never logged a step"
+            time.sleep(0.2)
+        time.sleep(0.2)  # inside group 1's pause: group 0 is waiting in the exchange
+        for pid in _worker_pids(1):
+            os.kill(pid, signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            for group in (0, 1):
+                for pid in _worker_pids(group):
+                    os.kill(pid, signal.SIGKILL)
+            launcher.kill()
+    assert launcher.returncode == 0, out[-3000:]
+    survivor = metrics(run_dir)
+    steps = [r["step"] for r in survivor]
+    assert steps == sorted(set(steps)) and steps[-1] == 30  # strictly increasing: no step redone
+    assert survivor[0]["participants"] == 2 and survivor[-1]["participants"] == 1
+    mine = summary(run_dir)
+    assert mine["steps"] == 30 and mine["retried_steps"] >= 1, out[-3000:]
+    assert "is retried: a group was lost during it" in out
+    # A SIGKILL closes the dead group's sockets: the collective fails at once, not after
+    # ft.timeout_s; the retry waits for the lighthouse to drop the group (no heartbeat).
+    assert 0 < mine["longest_stall_s"] < 30
