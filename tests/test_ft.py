@@ -165,3 +165,21 @@ def test_a_group_killed_during_a_step_costs_the_other_one_retried_step(tmp_path:
     # A SIGKILL closes the dead group's sockets: the collective fails at once, not after
     # ft.timeout_s; the retry waits for the lighthouse to drop the group (no heartbeat).
     assert 0 < mine["longest_stall_s"] < 30
+
+
+@pytest.mark.slow
+def test_fsdp_and_ep_inside_two_groups_train_as_hsdp_over_all_ranks(tmp_path: Path):
+    """2 groups of 2 ranks, each FSDP2 x ep=2, against one world of 4 (HSDP 2 x 2, ep=2):
+    the groups average each rank's own shards, so the weights are bit-identical."""
+    common = [*TINY, "train.max_steps=10", "dist.nproc_per_node=4", "dist.dp_shard=2", "dist.ep=2",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    ft_run, hsdp_run = tmp_path / "ft", tmp_path / "hsdp"
+    result = run_cli(*common, "ft.enabled=true", "ft.groups=2", f"hydra.run.dir={ft_run}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli(*common, f"hydra.run.dir={hsdp_run}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary(ft_run)["strategy"] == "fsdp" and summary(hsdp_run)["strategy"] == "hsdp"
+    for mine, theirs in zip(metrics(ft_run), metrics(hsdp_run)):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-6)
+    checksums = {summary(run)["param_checksum"] for run in (ft_run, ft_run / "group_1", hsdp_run)}
+    assert len(checksums) == 1
