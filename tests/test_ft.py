@@ -15,8 +15,6 @@ import pytest
 
 from conftest import compose_config, run_cli
 
-pytest.importorskip("torchft")
-
 TINY = ["model=tiny", "sample.max_new_tokens=0", "train.log_every=5", "train.eval_every=1000", "progress=plain"]
 
 

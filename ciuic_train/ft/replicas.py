@@ -101,6 +101,7 @@ class ReplicaGroups(OneGroup):
     """
 
     def __init__(self, ft: FtConfig, parallel, state: Callable[[], dict], load: Callable[[dict], None]):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log each quorum at info, to stderr
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 

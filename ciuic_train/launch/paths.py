@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from contextlib import contextmanager
@@ -53,6 +52,7 @@ from typing import Any, Iterator
 from ciuic_train.launch import runlock
 from ciuic_train.config import Config
 from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError
+from ciuic_train.launch.overrides import quote_override
 from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task, in_slurm_task
 
 log = logging.getLogger("ciuic_train")
@@ -166,7 +166,8 @@ class ElasticLauncher(LaunchPath):
             from ciuic_train.launch.replica_groups import start_replica_groups
 
             runlock.lend_to_children(run_dir)
-            return start_replica_groups(config, run_dir, list(HydraConfig.get().overrides.task))
+            codes, stopped_by = start_replica_groups(config, run_dir, list(HydraConfig.get().overrides.task))
+            return _replica_groups_result(codes, stopped_by, config, run_dir)
         import uuid
 
         from hydra.core.hydra_config import HydraConfig
@@ -210,6 +211,23 @@ class ElasticLauncher(LaunchPath):
             failed = ", ".join(f"rank {rank} exit code {code}" for rank, code in sorted(exit_codes.items()))
             raise WorkersFailed(f"workers failed ({failed}); see {run_dir / 'train.log'}") from None
         return workers_result(run_dir, config.train.max_steps)
+
+
+def _replica_groups_result(codes: list[int], stopped_by: str | None, config: Config, run_dir: Path) -> dict[str, Any]:
+    """The job's summary once its replica groups exited with `codes`: group 0's, or the
+    lowest finished group's where group 0 failed; none finished is a failure."""
+    from ciuic_train.launch.replica_groups import group_folder
+
+    if stopped_by:
+        return {"stopped_by": stopped_by, "final_val_loss": float("nan")}
+    finished = [group for group, code in enumerate(codes) if code == 0]
+    if not finished:
+        failed = ", ".join(f"group {group} exit code {code}" for group, code in enumerate(codes))
+        raise WorkersFailed(f"every replica group failed ({failed}); see {run_dir / 'train.log'} and "
+                            f"{run_dir}/group_*/train.log")
+    if finished[0] != 0:
+        log.warning(f"replica group 0 failed (exit code {codes[0]}); the run's summary is group {finished[0]}'s")
+    return workers_result(group_folder(run_dir, finished[0]), config.train.max_steps)
 
 
 def workers_result(run_dir: Path, max_steps: int) -> dict[str, Any]:
@@ -301,13 +319,3 @@ def _agree_run_dir(proposal: str) -> str:
     )
     key = f"ciuic_train/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
     return store.compare_set(key, "", str(Path(proposal).absolute())).decode()
-
-
-def quote_override(value: str) -> str:
-    """A value that Hydra's override parser reads back verbatim (paths may hold spaces or '=').
-
-    In a quoted value Hydra reads a backslash as itself, except in a run right before a
-    quote or the closing quote: there each pair stands for one, and an odd one escapes the quote.
-    """
-    escaped = re.sub(r"(\\*)('|\Z)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), value)
-    return f"'{escaped}'"

@@ -12,7 +12,8 @@
   `<run>/checkpoints/` (`ft.checkpoints`);
 - a store where the groups meet once before their first step (`replicas.START_STORE`).
 
-The job's summary is group 0's, or, if group 0 did not finish, the lowest group's that did.
+The job's summary is group 0's, or, if group 0 did not finish, the lowest group's that did
+(`paths.ElasticLauncher`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from ciuic_train.config import Config
 from ciuic_train.errors import UserError
 from ciuic_train.ft.config import START_STORE
+from ciuic_train.launch.overrides import quote_override
 
 log = logging.getLogger("ciuic_train")
 
@@ -79,14 +80,12 @@ def check_group_split(config: Config) -> None:
                         f"needs as many ranks; use a divisor of {nproc}")
 
 
-def start_replica_groups(config: Config, run_dir: Path, overrides: list[str]) -> dict[str, Any]:
+def start_replica_groups(config: Config, run_dir: Path, overrides: list[str]) -> tuple[list[int], str | None]:
     """Start the lighthouse and the groups on `overrides` (the job's), wait for every
-    group, and return the summary that stands for the job."""
+    group; their exit codes, and the signal that stopped them (None: none did)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
-
-    from ciuic_train.launch.paths import WorkersFailed, quote_override, workers_result
 
     check_group_split(config)
     ft, groups = config.ft, config.ft.groups
@@ -136,13 +135,4 @@ def start_replica_groups(config: Config, run_dir: Path, overrides: list[str]) ->
             signal.signal(sig, handler)
         if lighthouse is not None:
             lighthouse.shutdown()
-    if stopped_by:
-        return {"stopped_by": stopped_by, "final_val_loss": float("nan")}
-    finished = [group for group, code in enumerate(codes) if code == 0]
-    if not finished:
-        failed = ", ".join(f"group {group} exit code {code}" for group, code in enumerate(codes))
-        raise WorkersFailed(f"every replica group failed ({failed}); see {run_dir / 'train.log'} and "
-                            f"{run_dir}/group_*/train.log")
-    if finished[0] != 0:
-        log.warning(f"replica group 0 failed (exit code {codes[0]}); the run's summary is group {finished[0]}'s")
-    return workers_result(group_folder(run_dir, finished[0]), config.train.max_steps)
+    return codes, stopped_by

@@ -2,6 +2,8 @@
 
 One optimizer step (`Trainer.train_step`):
 
+    quorum of the replica groups (ft.*)     a group behind the others receives their live
+                                            state here (ciuic_train/ft/replicas.py)
     lr for this step                        <- tricks.lr_at
     weights of its micro-batches            <- tricks.micro_batch_weights
     for each micro-batch:
@@ -13,8 +15,10 @@ One optimizer step (`Trainer.train_step`):
                                             (DDP's all-reduce, or tricks.comm_hook in its place;
                                             FSDP2's reduce-scatter, plus all-reduce under HSDP;
                                             by hand where train.log_grad_consistency measures)
+    across replica groups (ft.*): gradients and losses averaged, the experts' token counts summed
     clip the global gradient norm (across every mesh: ciuic_train/distributed/grads.py)
     ranks agree: mean losses, finite?, stop?  (`LossWatch.agree`, the step's one small collective)
+    the replica groups commit: a group lost during the step drops it (data rewound), and it runs again
     if finite: optimizer step; MoE: one balancing step from the tokens each expert received
     else: no update; stop the run, or skip the step (train.on_nonfinite)
     clear the gradients (set to None; DDP's, views of its buckets, zeroed in place)
