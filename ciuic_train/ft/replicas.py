@@ -166,7 +166,9 @@ class ReplicaGroups(OneGroup):
         except Exception as err:  # the lighthouse is gone, or never answered
             raise RunFailed(
                 f"replica group {self.group}: no quorum from the lighthouse {self.ft.lighthouse} "
-                f"({first_line(err)}); the run stops after step {self.manager.current_step()}"
+                f"({first_line(err)}) within ft.quorum_timeout_s={self.ft.quorum_timeout_s:g} s; the run stops after "
+                f"step {self.manager.current_step()} without a save: run the command again once the lighthouse "
+                "answers (resume=auto continues from the last checkpoint)"
             ) from None
         participants = self.manager.num_participants()
         if participants != self._last_participants and self.parallel.is_main:
