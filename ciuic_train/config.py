@@ -98,6 +98,15 @@ class OnNonFinite(Enum):
     skip = "skip"
 
 
+class GradCompression(Enum):
+    """DDP's gradient all-reduce on the wire (ciuic_train/distributed/compression.py):
+    `none` fp32, `bf16` half the bytes, `powersgd` low-rank matrices with error feedback."""
+
+    none = "none"
+    bf16 = "bf16"
+    powersgd = "powersgd"
+
+
 class Progress(Enum):
     """How training progress is shown: `auto` is a rich bar on a terminal, plain lines otherwise."""
 
@@ -238,6 +247,11 @@ class DistConfig:
     # an eighth of its gradients' bytes within 1 to 25 MiB (torch's default, where one
     # bucket can hold almost a small model's gradients and fill only as backward ends).
     ddp_bucket_mb: float = 0.0
+    # DDP's all-reduce compressed by torch's hooks (`GradCompression`); powersgd: the rank of
+    # each matrix's approximation, and the plain steps before it starts (at least 2).
+    grad_compression: GradCompression = GradCompression.none
+    powersgd_rank: int = 1
+    powersgd_start_step: int = 10
     # FSDP: each block starts the all-gathers of the next fsdp_prefetch blocks (the previous
     # ones in backward) once its own are in, so they run during its computation (0: FSDP's
     # own, one block ahead when it starts); fsdp_keep_last_gathered: the last block keeps
@@ -462,6 +476,9 @@ def validate(config: Config) -> None:
     if config.dist.ddp_bucket_mb < 0:
         raise UserError(f"dist.ddp_bucket_mb={config.dist.ddp_bucket_mb} must be positive, or 0 to size the "
                         "buckets from the model")
+    if config.dist.powersgd_rank < 1 or config.dist.powersgd_start_step < 2:
+        raise UserError(f"dist.powersgd_rank={config.dist.powersgd_rank} must be at least 1 and "
+                        f"dist.powersgd_start_step={config.dist.powersgd_start_step} at least 2")
     if config.dist.fsdp_prefetch < 0:
         raise UserError(f"dist.fsdp_prefetch={config.dist.fsdp_prefetch} must be 0 (FSDP's own order) or more")
     if config.dist.nnodes < 1:

@@ -30,6 +30,7 @@ from ciuic_train.cli.flags import PROG, composes_our_config, parse_hydra_command
 from ciuic_train.cli.messages import as_user_errors, is_rank_0, print_warning
 from ciuic_train.cli.sweeps import job_overrides, parse_overrides
 from ciuic_train.config import Config
+from ciuic_train.distributed.compression import refuse_compression
 from ciuic_train.distributed.mesh import expected_mesh, expected_world, refuse_comm_hook
 from ciuic_train.distributed.pipeline_split import check_pipeline_mesh
 from ciuic_train.errors import UserError
@@ -124,6 +125,7 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
     if not config_only and check_mesh:
         shape = expected_mesh(config.dist, config.model.n_routed_experts)
         refuse_comm_hook(seam_owner(config.trick, "comm_hook"), shape, config.train.log_grad_consistency)
+        refuse_compression(config.dist, shape, seam_owner(config.trick, "comm_hook"), config.train.log_grad_consistency)
         check_pipeline_mesh(config, shape)
     if not config_only:
         from ciuic_train.data.sources import find_sources  # fails fast on a missing corpus, before any folder exists

@@ -9,8 +9,8 @@
    recomputation;
 4. data parallelism over the mesh (ciuic_train/distributed/mesh.py), in
    ciuic_train/distributed/data_parallel.py: DDP replicas when `dp_shard=1` (with a
-   trick's communication hook if one claims it), else FSDP2 (`fully_shard` per block,
-   then the root; HSDP when `dp_replicate > 1`). A pipeline's stages run every
+   trick's communication hook if one claims it, or `dist.grad_compression`'s), else
+   FSDP2 (`fully_shard` per block, then the root; HSDP when `dp_replicate > 1`). A pipeline's stages run every
    data-parallel layout on FSDP2, each stage a root (`fsdp_roots`): torch's schedules
    drive FSDP2's gradient sync (none until a stage's last micro-batch), and replicas
    are HSDP with one shard. Under FSDP2 the routed experts are
@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ciuic_train.config import Config, Precision
+from ciuic_train.distributed.compression import compression_hook, refuse_compression
 from ciuic_train.distributed.data_parallel import replicate_with_ddp, shard_with_fsdp
 from ciuic_train.distributed.expert_parallel import split_experts
 from ciuic_train.distributed.materialize import materialize
@@ -73,6 +74,7 @@ def parallelize(
     """
     hook_trick = comm_hook.trick if comm_hook is not None else None
     refuse_comm_hook(hook_trick, mesh.shape, config.train.log_grad_consistency)
+    refuse_compression(config.dist, mesh.shape, hook_trick, config.train.log_grad_consistency)
     if mesh.shape.ep > 1:
         split_experts(model, mesh.experts(), overlap=config.dist.ep_overlap)
     if config.activation_checkpointing:
@@ -83,7 +85,9 @@ def parallelize(
             block.compile()
     if mesh.strategy == "ddp" and fsdp_roots is None:
         materialize(model, mesh.device, init)
-        return replicate_with_ddp(model, mesh, comm_hook, config.dist.ddp_bucket_mb)
+        group = mesh.replicas().get_group() if mesh.device_mesh is not None else None
+        return replicate_with_ddp(model, mesh, comm_hook or compression_hook(config.dist, group),
+                                  config.dist.ddp_bucket_mb)
     if comm_hook is not None:  # one process: a sharded mesh refused the hook above
         log.warning(f"trick {hook_trick}: world size 1, no gradient all-reduce to act on")
     if mesh.strategy != "none":
