@@ -90,6 +90,9 @@ def parallelize(
                                   config.dist.ddp_bucket_mb)
     if comm_hook is not None:  # one process: a sharded mesh refused the hook above
         log.warning(f"trick {hook_trick}: world size 1, no gradient all-reduce to act on")
+    if config.dist.grad_compression.value != "none" and mesh.strategy == "none":
+        log.warning(f"dist.grad_compression={config.dist.grad_compression.value}: world size 1, no gradient "
+                    "all-reduce to compress")
     if mesh.strategy != "none":
         # A pipeline's blocks do not run in one order on a rank (its stages interleave micro-batches):
         # FSDP's own order there.
