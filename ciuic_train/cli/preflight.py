@@ -124,8 +124,9 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
         config = job_config(without_hydra(cfg), overrides)
     if not config_only and check_mesh:
         shape = expected_mesh(config.dist, config.model.n_routed_experts)
-        refuse_comm_hook(seam_owner(config.trick, "comm_hook"), shape, config.train.log_grad_consistency)
-        refuse_compression(config.dist, shape, seam_owner(config.trick, "comm_hook"), config.train.log_grad_consistency)
+        hook_trick = seam_owner(config.trick, "comm_hook")
+        refuse_comm_hook(hook_trick, shape, config.train.log_grad_consistency)
+        refuse_compression(config.dist, shape, hook_trick, config.train.log_grad_consistency)
         check_pipeline_mesh(config, shape)
     if not config_only:
         from ciuic_train.data.sources import find_sources  # fails fast on a missing corpus, before any folder exists

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ciuic_train.config import Config, Precision
+from ciuic_train.config import Config, GradCompression, Precision
 from ciuic_train.distributed.compression import compression_hook, refuse_compression
 from ciuic_train.distributed.data_parallel import replicate_with_ddp, shard_with_fsdp
 from ciuic_train.distributed.expert_parallel import split_experts
@@ -90,7 +90,7 @@ def parallelize(
                                   config.dist.ddp_bucket_mb)
     if comm_hook is not None:  # one process: a sharded mesh refused the hook above
         log.warning(f"trick {hook_trick}: world size 1, no gradient all-reduce to act on")
-    if config.dist.grad_compression.value != "none" and mesh.strategy == "none":
+    if config.dist.grad_compression is not GradCompression.none and mesh.strategy == "none":
         log.warning(f"dist.grad_compression={config.dist.grad_compression.value}: world size 1, no gradient "
                     "all-reduce to compress")
     if mesh.strategy != "none":

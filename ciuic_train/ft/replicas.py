@@ -39,6 +39,7 @@ import torch
 
 from ciuic_train.errors import RunFailed, first_line
 from ciuic_train.ft.config import START_STORE, FtConfig
+from ciuic_train.launch.paths import uses_agent_store
 
 log = logging.getLogger("ciuic_train")
 
@@ -108,7 +109,7 @@ class ReplicaGroups(OneGroup):
         _torchft_logs_to_file()
         self.ft, self.parallel = ft, parallel
         self.groups, self.group = ft.groups, ft.group
-        self._load, self._healed_at = load, None
+        self._load, self._healed = load, False
         self._last_participants, self.retried_steps = ft.groups, 0
         # The longest step of this group, from its first attempt to its commit: whatever a lost
         # group cost it (the quorum waiting for it, a collective timing out, the retry).
@@ -155,12 +156,13 @@ class ReplicaGroups(OneGroup):
         return {"participants": self.manager.num_participants()}
 
     def start_step(self) -> None:
-        self._healed_at = None
+        self._healed = False
         if self._attempt_started is None:  # a retried step keeps the time of its first attempt
             self._attempt_started = time.perf_counter()
         if self._wait_for_all:
             self._wait_for_all = False
-            _all_groups_started(self.groups, self.ft.quorum_timeout_s, self.parallel.info.rank)
+            if not self.restarted():  # a restarted group's peers are long past their first step
+                _all_groups_started(self.groups, self.ft.quorum_timeout_s, self.parallel.info.rank)
         try:
             self.manager.start_quorum()
         except Exception as err:  # the lighthouse is gone, or never answered
@@ -172,7 +174,7 @@ class ReplicaGroups(OneGroup):
             ) from None
         participants = self.manager.num_participants()
         if participants != self._last_participants and self.parallel.is_main:
-            how = "healed from a peer: " if self._healed_at is not None else ""
+            how = "healed from a peer: " if self._healed else ""
             since = (f" ({time.perf_counter() - self._last_commit:.1f} s after the last step)"
                      if self._last_commit is not None else "")
             log.warning(f"replica group {self.group}: {how}{participants} of {self.groups} groups take part "
@@ -180,12 +182,12 @@ class ReplicaGroups(OneGroup):
         self._last_participants = participants
 
     def _heal(self, state: dict) -> None:
-        self._healed_at = self.manager.current_step()
+        self._healed = True
         self._load(state)
 
     def healed(self) -> bool:
         """Whether this step's quorum brought the live state from a peer."""
-        return self._healed_at is not None
+        return self._healed
 
     def average_(self, grads: list[torch.Tensor], figures: torch.Tensor,
                  sums: list[torch.Tensor] = ()) -> torch.Tensor:
@@ -269,7 +271,7 @@ def _all_groups_started(groups: int, timeout_s: float, rank: int) -> None:
     about to ask for its first quorum (`START_STORE`), so that the first step is every
     group's: alone, the first to arrive would take it by itself."""
     where = os.environ.get(START_STORE)
-    if not where or rank != 0 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not where or rank != 0:
         return
     host, port = where.rsplit(":", 1)
     store = torch.distributed.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -299,8 +301,7 @@ def _group_store() -> tuple[str, int]:
     """The group's TCPStore, where its Manager's ranks meet: the launcher's (torchrun's
     agent, or rank 0's of `init_process_group`); a lone rank without one starts its own."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if addr and port and (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                          or int(os.environ.get("WORLD_SIZE", 1)) > 1):
+    if addr and port and (uses_agent_store() or int(os.environ.get("WORLD_SIZE", 1)) > 1):
         return addr, int(port)
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     _group_store.keep = store  # alive for the process's life

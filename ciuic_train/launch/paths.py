@@ -160,6 +160,8 @@ class ElasticLauncher(LaunchPath):
         nproc = config.dist.nproc_per_node
         if nproc == 1:
             return None
+        # Like torchrun, keep N processes from each starting one thread per core.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         if config.ft.enabled:  # replica groups, each its own torchrun: ciuic_train/launch/replica_groups.py
             from hydra.core.hydra_config import HydraConfig
 
@@ -175,8 +177,6 @@ class ElasticLauncher(LaunchPath):
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-        # Like torchrun, keep N processes from each starting one thread per core.
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         overrides = [
             *HydraConfig.get().overrides.task,
             f"hydra.run.dir={quote_override(str(run_dir.absolute()))}",

@@ -100,8 +100,7 @@ def start_replica_groups(config: Config, run_dir: Path, overrides: list[str]) ->
                                       quorum_tick_ms=100, heartbeat_timeout_ms=int(ft.timeout_s * 500))
         address = lighthouse.address()
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = {**os.environ, START_STORE: f"127.0.0.1:{store.port}",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.dist.nproc_per_node)))}
+    env = {**os.environ, START_STORE: f"127.0.0.1:{store.port}"}  # OMP_NUM_THREADS: set by the launcher
     log.info(f"starting {groups} replica groups of {per_group} workers (lighthouse {address}) in {run_dir}")
     procs = []
     for group in range(groups):

@@ -178,7 +178,7 @@ class Trainer:
         self.rejoining = self.replicas.restarted()
         if self.resumed_from is not None and not self.rejoining:
             self._resume(self.resumed_from)
-        elif self.parallel.is_main and self.resumed_from is None and not self.replicas.restarted():  # a fresh start: lines a previous attempt logged are not this run's
+        elif self.parallel.is_main and self.resumed_from is None and not self.rejoining:  # a fresh start: lines a previous attempt logged are not this run's
             drop_metrics_after(run_dir / "metrics.jsonl", 0)
         if self.parallel.is_main:
             self.checkpointer.warn_if_space_is_short(self.model_shape, self.resumed_from)
