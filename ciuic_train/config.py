@@ -167,7 +167,10 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    # adamw, or sgd (with `momentum`; what DiLoCo's equivalence to synchronous training
+    # at ft.sync_every=1 needs: an update linear in the gradient).
     name: str = "adamw"
+    momentum: float = 0.9
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -182,6 +185,9 @@ class OptimConfig:
     # step: at each of these fractions of train.max_steps the lr is multiplied by step_factor.
     step_fractions: List[float] = field(default_factory=lambda: [0.8, 0.9])
     step_factor: float = 0.316
+
+
+OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass
@@ -454,6 +460,10 @@ def validate(config: Config) -> None:
         )
     _validate_profile(config.profile, train.max_steps)
     validate_data(config.data, config.dist.pp, seam_owner(config.trick, "order_indices"))
+    if config.optim.name not in OPTIMIZERS:
+        raise UserError(f"optim.name={config.optim.name!r} is not an optimizer; choose one of {', '.join(OPTIMIZERS)}")
+    if not 0.0 <= config.optim.momentum < 1.0:
+        raise UserError(f"optim.momentum={config.optim.momentum} must be at least 0 and below 1")
     if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
         raise UserError(f"optim.min_lr_ratio={config.optim.min_lr_ratio} must be between 0 and 1")
     fractions = config.optim.step_fractions
@@ -485,7 +495,7 @@ def validate(config: Config) -> None:
         raise UserError(f"dist.nnodes={config.dist.nnodes} must be at least 1")
     if config.dist.timeout_s < 1:
         raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
-    check_ft(config.ft, config.dist.pp, config.train.log_grad_consistency)
+    check_ft(config.ft, config.dist.pp, config.train.log_grad_consistency, config.model.n_layers)
     check_tricks(config.trick)
     check_loggers(config.logger)
     from ciuic_train.distributed.pipeline_split import check_pipeline  # the package needs this module first

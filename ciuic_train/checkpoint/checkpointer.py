@@ -6,6 +6,8 @@ Layout of one checkpoint, `<run dir>/checkpoints/step_<N>/`:
   state and hyperparameters are keyed by parameter name (DCP's flattened form), not by
   group index: a pipeline's ranks hold different parameters in their groups, and a
   checkpoint must load on any split;
+- beside them, under `ft`, what the replica groups keep (`extra`: DiLoCo's weights the
+  groups last agreed on and its outer momentum), by DCP too;
 - `rank<R>.json`: what differs between ranks or is not a tensor: step, data position,
   every RNG stream, each trick's state;
 - `meta.json`: what a resume must agree with (model shape, tricks), and what it needs to
@@ -61,6 +63,8 @@ from ciuic_train.model.config import ModelConfig
 log = logging.getLogger("ciuic_train")
 
 BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+# The key of the replica groups' tensors (`extra`) in a checkpoint.
+EXTRA = "ft"
 
 
 @contextmanager
@@ -115,7 +119,8 @@ class Checkpointer:
         self._in_flight_step = 0
         self._background_failure: RunFailed | None = None
 
-    def save(self, step: int, model, optimizer, rank_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    def save(self, step: int, model, optimizer, rank_state: dict[str, Any], meta: dict[str, Any],
+             extra: dict[str, Any] | None = None) -> Path:
         """Write `step_<step>`: temporary folder, shards and rank files, then meta.json and the rename.
 
         Each phase ends with the ranks agreeing that all of them succeeded; if any failed,
@@ -139,7 +144,7 @@ class Checkpointer:
         def write() -> None:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=BY_NAME)
             with _single_process_is_fine():
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+                dcp.save({"model": model_sd, "optim": optim_sd, **_extra(extra)}, checkpoint_id=str(tmp))
             (tmp / f"rank{self.rank}.json").write_text(json.dumps({**rank_state, "rng": _encode_rng()}))
 
         def publish() -> None:
@@ -160,7 +165,8 @@ class Checkpointer:
             def stage() -> None:
                 model_sd, optim_sd = get_state_dict(model, optimizer, options=BY_NAME)
                 with _single_process_is_fine():
-                    response = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                    response = dcp.async_save({"model": model_sd, "optim": optim_sd, **_extra(extra)},
+                                              checkpoint_id=str(tmp),
                                               process_group=self.background_group, no_dist=not dist.is_initialized())
                 upload.append(getattr(response, "upload_completion", response))
 
@@ -249,15 +255,19 @@ class Checkpointer:
                 f"{self.keep_last + 1} checkpoints of about {format_bytes(size)} ({format_bytes(needed)})"
             )
 
-    def load(self, path: Path, model, optimizer, state_of_rank: int | None = None) -> dict[str, Any]:
-        """Restore model and optimizer in place; return the JSON state of rank `state_of_rank`
-        (default this rank's; another when the checkpoint was written by a different world)."""
+    def load(self, path: Path, model, optimizer, state_of_rank: int | None = None,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Restore model and optimizer in place, and `extra` where the checkpoint has it
+        (one written without leaves it as it is); return the JSON state of rank
+        `state_of_rank` (default this rank's; another when the checkpoint was written by a
+        different world)."""
         try:
+            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
             # A checkpoint written before the optimizer was keyed by name has its groups by index.
-            by_index = "optim.param_groups.0.lr" in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-            options = StateDictOptions() if by_index else BY_NAME
+            options = StateDictOptions() if "optim.param_groups.0.lr" in saved else BY_NAME
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-            state = {"model": model_sd, "optim": optim_sd}
+            has_extra = any(key.startswith(f"{EXTRA}.") for key in saved)
+            state = {"model": model_sd, "optim": optim_sd, **(_extra(extra) if has_extra else {})}
             with _single_process_is_fine():
                 dcp.load(state, checkpoint_id=str(path))
             rank = self.rank if state_of_rank is None else state_of_rank
@@ -268,6 +278,10 @@ class Checkpointer:
                        options=options)
         _decode_rng(rank_state.pop("rng"))
         return rank_state
+
+
+def _extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {EXTRA: extra} if extra else {}
 
 
 def _damaged(path: Path, err: BaseException) -> UserError:

@@ -5,16 +5,27 @@ replica groups, each its own torch.distributed world (DDP, FSDP or `ep` inside i
 without `ft`), tied together by torchft: a lighthouse that forms a quorum of the live
 groups before each step, and a Manager in each group that averages across them. A group
 that dies leaves the others training; one that (re)starts takes the live state from a
-peer (ciuic_train/ft/replicas.py). Every step the gradients are averaged across the
-live groups: the same update as one DDP world of the same global batch.
+peer (ciuic_train/ft/replicas.py). With `ft.sync=every_step` the gradients are averaged
+across the live groups every step: the same update as one DDP world of the same global
+batch. With `ft.sync=diloco` each group takes `ft.sync_every` steps of its own and the
+groups then average how far they moved (ciuic_train/ft/diloco.py): nothing crosses the
+slow link between groups in between.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 
 from ciuic_train.errors import UserError
+
+
+class Sync(str, Enum):
+    """How the replica groups agree: every step (averaged gradients), or DiLoCo's rounds."""
+
+    every_step = "every_step"
+    diloco = "diloco"
 
 
 @dataclass
@@ -43,6 +54,23 @@ class FtConfig:
     # The lighthouse waits this long for groups that heartbeat but have not asked to join
     # before it forms a quorum without them.
     join_timeout_ms: int = 1000
+    # every_step: gradients averaged across the groups each step. diloco: each group trains
+    # on its own (the inner optimizer: optim.*) and every `sync_every` steps the groups
+    # average their parameters' change since the last sync, which an outer SGD with
+    # Nesterov momentum applies to the weights they last agreed on.
+    sync: Sync = Sync.every_step
+    sync_every: int = 32
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # Streaming DiLoCo: the model in this many fragments of consecutive layers, each synced
+    # every `sync_every` steps, one fragment every sync_every/fragments steps.
+    fragments: int = 1
+    # Steps a fragment's exchange overlaps with training before its result is applied (0:
+    # applied at once); must be less than sync_every/fragments.
+    sync_delay: int = 0
+    # What a synced fragment keeps of the steps it took meanwhile: 0 the groups' common
+    # weights, 1 its own (Streaming DiLoCo's mixing factor).
+    merge_alpha: float = 0.0
 
 
 # Where the CLI's launcher tells the groups it started to meet once before their first step.
@@ -51,7 +79,7 @@ START_STORE = "CIUIC_TRAIN_FT_START_STORE"
 LIGHTHOUSE_ADDRESS = re.compile(r"^https?://[^\s/:]+(:\d+)?/?$")
 
 
-def check_ft(ft: FtConfig, pp: int, log_grad_consistency: bool) -> None:
+def check_ft(ft: FtConfig, pp: int, log_grad_consistency: bool, n_layers: int) -> None:
     """`ft.*` against the schema's limits and what a group may run inside; one line each."""
     if not ft.enabled:
         return
@@ -68,9 +96,34 @@ def check_ft(ft: FtConfig, pp: int, log_grad_consistency: bool) -> None:
         raise UserError(f"ft.join_timeout_ms={ft.join_timeout_ms} must be 0 or more")
     if ft.lighthouse and not LIGHTHOUSE_ADDRESS.match(ft.lighthouse):
         raise UserError(f"ft.lighthouse={ft.lighthouse!r} must be an address http://host:port")
+    check_diloco(ft, n_layers)
     if pp > 1:
         raise UserError(f"ft.enabled=true with dist.pp={pp}: replica groups of pipelines are not supported; "
                         "use dist.pp=1 inside each group")
     if log_grad_consistency:
         raise UserError("train.log_grad_consistency=true measures DDP's all-reduce within one world; "
                         "with ft.enabled=true turn it off")
+
+
+def check_diloco(ft: FtConfig, n_layers: int) -> None:
+    """DiLoCo's keys; one line each. They are read only with ft.sync=diloco."""
+    if ft.sync is not Sync.diloco:
+        return
+    if ft.sync_every < 1:
+        raise UserError(f"ft.sync_every={ft.sync_every} must be at least 1")
+    if ft.fragments < 1 or ft.sync_every % ft.fragments:
+        raise UserError(f"ft.fragments={ft.fragments} must divide ft.sync_every={ft.sync_every}: each fragment "
+                        "syncs every sync_every steps, one every sync_every/fragments steps")
+    if ft.fragments > n_layers:
+        raise UserError(f"ft.fragments={ft.fragments} is more than the model's model.n_layers={n_layers}: a "
+                        "fragment is one or more consecutive layers")
+    between = ft.sync_every // ft.fragments
+    if not 0 <= ft.sync_delay < between:
+        raise UserError(f"ft.sync_delay={ft.sync_delay} must be between 0 and {between - 1} "
+                        f"(ft.sync_every/ft.fragments - 1): a fragment's exchange ends before the next begins")
+    if ft.outer_lr <= 0:
+        raise UserError(f"ft.outer_lr={ft.outer_lr} must be positive")
+    if not 0 <= ft.outer_momentum < 1:
+        raise UserError(f"ft.outer_momentum={ft.outer_momentum} must be at least 0 and below 1")
+    if not 0 <= ft.merge_alpha <= 1:
+        raise UserError(f"ft.merge_alpha={ft.merge_alpha} must be between 0 and 1")

@@ -25,6 +25,12 @@ resumes them at the data position the step implies.
 
 Checkpoints: the lowest group taking part (`saves`) writes them, into the run's one
 `checkpoints/` folder; a restart of every group resumes from there as without `ft`.
+
+A group that restarts beside live ones takes their state at its first quorum; only if no
+peer is ahead (every group restarted) does it resume from the checkpoint (`resume`).
+
+With `ft.sync=diloco` the groups meet only every few steps, at the step boundaries
+`end_step` marks: ciuic_train/ft/diloco.py.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from ciuic_train.errors import RunFailed, first_line
-from ciuic_train.ft.config import START_STORE, FtConfig
+from ciuic_train.ft.config import START_STORE, FtConfig, Sync
 from ciuic_train.launch.paths import uses_agent_store
 
 log = logging.getLogger("ciuic_train")
@@ -67,6 +73,14 @@ class OneGroup:
     def set_step(self, step: int) -> None:
         """The step this rank resumed at (from a checkpoint)."""
 
+    def attach(self, model: torch.nn.Module) -> None:
+        """The model whose weights the groups keep in agreement, once it holds its step-0 values."""
+
+    def tensors(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the groups beside the model and optimizer (DCP's
+        tensors, loaded in place)."""
+        return {}
+
     def start_step(self) -> None:
         pass
 
@@ -81,11 +95,11 @@ class OneGroup:
     def commit(self) -> bool:
         return True
 
+    def end_step(self, step: int) -> None:
+        """Optimizer step `step` is applied (DiLoCo's groups meet here)."""
+
     def saves(self) -> bool:
         return True
-
-    def healed(self) -> bool:
-        return False
 
     def summary(self) -> dict[str, Any]:
         return {}
@@ -98,10 +112,12 @@ class ReplicaGroups(OneGroup):
     """This rank's place among `ft.groups` replica groups, and its torchft Manager.
 
     `state()` and `load(state)` are the trainer's live state, as a peer sends it and as a
-    healing group applies it (tensors local to this rank: FSDP's shards as plain tensors).
+    healing group applies it (tensors local to this rank: FSDP's shards as plain tensors);
+    `resume()` resumes a restarted group that found no peer ahead of it.
     """
 
-    def __init__(self, ft: FtConfig, parallel, state: Callable[[], dict], load: Callable[[dict], None]):
+    def __init__(self, ft: FtConfig, parallel, state: Callable[[], dict], load: Callable[[dict], None],
+                 resume: Callable[[], None]):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log each quorum at info, to stderr
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -109,7 +125,8 @@ class ReplicaGroups(OneGroup):
         _torchft_logs_to_file()
         self.ft, self.parallel = ft, parallel
         self.groups, self.group = ft.groups, ft.group
-        self._load, self._healed = load, False
+        self._load, self._resume, self._healed = load, resume, False
+        self._rejoining = self.restarted()
         self._last_participants, self.retried_steps = ft.groups, 0
         # The longest step of this group, from its first attempt to its commit: whatever a lost
         # group cost it (the quorum waiting for it, a collective timing out, the retry).
@@ -156,13 +173,29 @@ class ReplicaGroups(OneGroup):
         return {"participants": self.manager.num_participants()}
 
     def start_step(self) -> None:
-        self._healed = False
         if self._attempt_started is None:  # a retried step keeps the time of its first attempt
             self._attempt_started = time.perf_counter()
+        self._first_step_waits_for_all()
+        self._quorum()
+        self._after_first_quorum()
+
+    def _first_step_waits_for_all(self) -> None:
         if self._wait_for_all:
             self._wait_for_all = False
             if not self.restarted():  # a restarted group's peers are long past their first step
                 _all_groups_started(self.groups, self.ft.quorum_timeout_s, self.parallel.info.rank)
+
+    def _after_first_quorum(self) -> None:
+        """A restarted group's first quorum is over: it healed from a peer, or none was
+        ahead (every group restarted) and it resumes as a first start would."""
+        if self._rejoining:
+            self._rejoining = False
+            if not self._healed:
+                self._resume()
+
+    def _quorum(self) -> None:
+        """Which groups take part from here; a group behind the others heals from a peer in it."""
+        self._healed = False
         try:
             self.manager.start_quorum()
         except Exception as err:  # the lighthouse is gone, or never answered
@@ -178,16 +211,16 @@ class ReplicaGroups(OneGroup):
             since = (f" ({time.perf_counter() - self._last_commit:.1f} s after the last step)"
                      if self._last_commit is not None else "")
             log.warning(f"replica group {self.group}: {how}{participants} of {self.groups} groups take part "
-                        f"from step {self.manager.current_step() + 1}{since}")
+                        f"from {self._where()}{since}")
         self._last_participants = participants
+
+    def _where(self) -> str:
+        """Where in the run a quorum is, for its log line."""
+        return f"step {self.manager.current_step() + 1}"
 
     def _heal(self, state: dict) -> None:
         self._healed = True
         self._load(state)
-
-    def healed(self) -> bool:
-        """Whether this step's quorum brought the live state from a peer."""
-        return self._healed
 
     def average_(self, grads: list[torch.Tensor], figures: torch.Tensor,
                  sums: list[torch.Tensor] = ()) -> torch.Tensor:
@@ -221,7 +254,7 @@ class ReplicaGroups(OneGroup):
                             "group was lost during it")
             return False
         now = time.perf_counter()
-        if not self.healed():  # a healing step's wait is its own restart's, not a stall
+        if not self._healed:  # a healing step's wait is its own restart's, not a stall
             self.longest_stall_s = max(self.longest_stall_s, now - self._attempt_started)
         self._attempt_started, self._last_commit = None, now
         return True
@@ -238,9 +271,17 @@ class ReplicaGroups(OneGroup):
         self.manager.shutdown(wait=False)
 
 
-def replica_groups(ft: FtConfig, parallel, state: Callable[[], dict], load: Callable[[dict], None]) -> OneGroup:
-    """The replica groups `ft` asks for: torchft's, or the world as one group."""
-    return ReplicaGroups(ft, parallel, state, load) if ft.enabled else OneGroup()
+def replica_groups(ft: FtConfig, parallel, max_steps: int, state: Callable[[], dict], load: Callable[[dict], None],
+                   resume: Callable[[], None]) -> OneGroup:
+    """The replica groups `ft` asks for: torchft's, meeting every step or in DiLoCo's
+    rounds (up to `max_steps`), or the world as one group."""
+    if not ft.enabled:
+        return OneGroup()
+    if ft.sync is Sync.diloco:
+        from ciuic_train.ft.diloco import DiLoCoGroups
+
+        return DiLoCoGroups(ft, parallel, max_steps, state, load, resume)
+    return ReplicaGroups(ft, parallel, state, load, resume)
 
 
 def load_local_state(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
@@ -289,12 +330,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def local_state(tree: Any) -> Any:
-    """`tree` with every DTensor replaced by its local shard (what a peer sends)."""
+    """`tree` with every DTensor replaced by its local shard (what a peer sends).
+
+    A CPU tensor is copied: torchft serves it by reference while the peer downloads, and
+    this rank may train on meanwhile (DiLoCo overlaps an exchange with steps); a GPU's it
+    copies to the host itself."""
     if isinstance(tree, dict):
         return {key: local_state(value) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(local_state(value) for value in tree)
-    return _local(tree) if isinstance(tree, torch.Tensor) else tree
+    if not isinstance(tree, torch.Tensor):
+        return tree
+    local = _local(tree).detach()
+    return local.clone() if local.device.type == "cpu" else local
 
 
 def _group_store() -> tuple[str, int]:

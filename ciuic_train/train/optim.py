@@ -66,7 +66,8 @@ class LrSchedule:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only: norms, biases and embeddings are not decayed."""
+    """AdamW (or SGD with momentum, `optim=sgd`) with weight decay on matrices only: norms,
+    biases and embeddings are not decayed."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -77,6 +78,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torc
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
     on_cpu_or_cuda = all(p.device.type in ("cpu", "cuda") for p in decay + no_decay)
     return torch.optim.AdamW(
         groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=on_cpu_or_cuda

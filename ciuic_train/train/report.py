@@ -75,7 +75,7 @@ class RunReport:
             **{key: figures[key] for key in ("mtp_loss", "aux_loss", "seq_aux_loss") if key in figures},
             **({"grad_consistency": figures["grad_consistency"]} if "grad_consistency" in figures else {}),
             # Under ft: the replica groups that took part in this step (their batches averaged).
-            **({"participants": figures["participants"]} if "participants" in figures else {}),
+            **{key: figures[key] for key in ("participants", "syncs") if key in figures},  # replica groups (ft)
             "tokens_per_s": throughput.window_rate(),
             "elapsed_s": throughput.elapsed_s(),
             **({"val_loss": val_loss} if val_loss is not None else {}),

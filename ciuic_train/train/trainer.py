@@ -22,6 +22,8 @@ One optimizer step (`Trainer.train_step`):
     if finite: optimizer step; MoE: one balancing step from the tokens each expert received
     else: no update; stop the run, or skip the step (train.on_nonfinite)
     clear the gradients (set to None; DDP's, views of its buckets, zeroed in place)
+    the replica groups' step boundary: under ft.sync=diloco they meet every few steps and
+    average how far their weights moved (ciuic_train/ft/diloco.py)
 
 The run (`Trainer.fit`): steps until `train.max_steps`; after each, the profiler's step
 (`profile.*`: ciuic_train/train/profiler.py), then evaluate, log (what a line and the
@@ -111,7 +113,8 @@ class Trainer:
         use_tf32(self.device, config.tf32)
         train = config.train
         # The replica groups (ft.*), first: a group is known to the others before it builds.
-        self.replicas = replica_groups(config.ft, self.parallel, self._live_state, self._load_live_state)
+        self.replicas = replica_groups(config.ft, self.parallel, train.max_steps, self._live_state,
+                                       self._load_live_state, self._rejoin_without_peer)
         # The share of the data this rank sees: a pipeline's stages see the same; the groups
         # of `ft` each their own.
         rank, world = self.replicas.data_share(self.parallel.data_rank, self.parallel.data_world)
@@ -150,6 +153,7 @@ class Trainer:
         self.passes = pipeline or ModelPasses(self.model, self.wrapped_model, self.parallel, config, self.tricks,
                                               self.autocast)
         self.optimizer = build_optimizer(self.model, config.optim, train.lr)
+        self.replicas.attach(self.model)
         self.lr_schedule = LrSchedule.from_config(config.optim, train.lr, train.warmup_steps, train.max_steps)
         self.windows = train_windows(self.data, config.data, train.seq_len, config.seed, rank, world,
                                      order=self.tricks.order_indices)
@@ -174,11 +178,11 @@ class Trainer:
         self.report = RunReport(config, self.parallel, self.model, self.model_shape, self.data, self.tricks,
                                 self.watch, self.step_times, self.checkpointer)
         # A replica group that restarts beside live ones takes their state at its first
-        # step (`_after_rejoining`); the checkpoint only if none of them is ahead.
-        self.rejoining = self.replicas.restarted()
-        if self.resumed_from is not None and not self.rejoining:
+        # quorum; the checkpoint only if none of them is ahead (`_rejoin_without_peer`).
+        rejoining = self.replicas.restarted()
+        if self.resumed_from is not None and not rejoining:
             self._resume(self.resumed_from)
-        elif self.parallel.is_main and self.resumed_from is None and not self.rejoining:  # a fresh start: lines a previous attempt logged are not this run's
+        elif self.parallel.is_main and self.resumed_from is None and not rejoining:  # a fresh start: lines a previous attempt logged are not this run's
             drop_metrics_after(run_dir / "metrics.jsonl", 0)
         if self.parallel.is_main:
             self.checkpointer.warn_if_space_is_short(self.model_shape, self.resumed_from)
@@ -212,7 +216,8 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         meta = {**self._meta(), "data": self.windows.global_position()}
-        return self.checkpointer.save(self.step, self.model, self.optimizer, self._rank_state(), meta)
+        return self.checkpointer.save(self.step, self.model, self.optimizer, self._rank_state(), meta,
+                                      self.replicas.tensors())
 
     def _live_state(self) -> dict[str, Any]:
         """What a replica group that heals receives from this rank (ciuic_train/ft/replicas.py)."""
@@ -239,7 +244,7 @@ class Trainer:
         # it only where nothing in it is per rank but the data position, split anew here);
         # on as many, the first stage's rank of this rank's share (pp is outermost).
         state_of = self.parallel.data_rank if same_world else 0
-        state = self.checkpointer.load(path, self.model, self.optimizer, state_of_rank=state_of)
+        state = self.checkpointer.load(path, self.model, self.optimizer, state_of, self.replicas.tensors())
         self._load_rank_state({**state, "sampler": state["sampler"] if same_world else self.windows.share_of(meta["data"])})
         self.replicas.set_step(self.step)
         if self.metrics is not None:  # resumed once training (a deferred resume)
@@ -249,12 +254,9 @@ class Trainer:
         log.info(f"resumed from {path} at step {self.step}; peak memory of this rank so far "
                  f"{format_bytes(peak_memory_bytes(self.device))}")
 
-    def _after_rejoining(self) -> None:
-        """A restarted replica group's first quorum is over: it healed from a peer, or no
-        peer was ahead (every group restarted) and it resumes as a first start would."""
-        self.rejoining = False
-        if self.replicas.healed():
-            return
+    def _rejoin_without_peer(self) -> None:
+        """A restarted replica group found no peer ahead (every group restarted): it
+        resumes as a first start would."""
         if self.resumed_from is not None:
             self._resume(self.resumed_from)
         else:
@@ -291,8 +293,6 @@ class Trainer:
         train = self.config.train
         self.step_times.start()
         self.replicas.start_step()  # a replica group behind the others takes their state here
-        if self.rejoining:
-            self._after_rejoining()
         data_position = self.windows.state_dict()
         lr = self.tricks.lr_at(self.step, self.lr_schedule)
         for group in self.optimizer.param_groups:
@@ -347,6 +347,7 @@ class Trainer:
         if verdict == "stop":
             raise RunFailed(self._nonfinite_message(check, lr))
         self.step += 1
+        self.replicas.end_step(self.step)  # DiLoCo's groups meet here
         return {"loss": check.loss, "lr": lr, "grad_norm": check.grad_norm, "moe_imbalance": moe_imbalance,
                 "committed": True, "applied": verdict == "apply", "stop_signal": check.stop_signal,
                 **check.side_losses, **figures, **self.replicas.step_figures()}
