@@ -167,8 +167,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    # adamw, or sgd (with `momentum`; what DiLoCo's equivalence to synchronous training
-    # at ft.sync_every=1 needs: an update linear in the gradient).
+    # adamw, or sgd (with `momentum`: an update linear in the gradient, as DiLoCo's test needs).
     name: str = "adamw"
     momentum: float = 0.9
     beta1: float = 0.9
@@ -450,14 +449,10 @@ def validate(config: Config) -> None:
             f"model.n_mtp_layers={config.model.n_mtp_layers} (turn MTP off with model.n_mtp_layers=0)"
         )
     if train.seq_len <= config.model.n_mtp_layers:
-        raise UserError(
-            f"train.seq_len={train.seq_len} must exceed model.n_mtp_layers={config.model.n_mtp_layers} "
-            "(MTP depth k predicts k + 1 tokens ahead)"
-        )
+        raise UserError(f"train.seq_len={train.seq_len} must exceed model.n_mtp_layers={config.model.n_mtp_layers} "
+                        "(MTP depth k predicts k + 1 tokens ahead)")
     if train.seq_len > config.model.max_seq_len:
-        raise UserError(
-            f"train.seq_len={train.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}"
-        )
+        raise UserError(f"train.seq_len={train.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}")
     _validate_profile(config.profile, train.max_steps)
     validate_data(config.data, config.dist.pp, seam_owner(config.trick, "order_indices"))
     if config.optim.name not in OPTIMIZERS:

@@ -186,3 +186,35 @@ def test_fsdp_and_ep_inside_two_groups_train_as_hsdp_over_all_ranks(tmp_path: Pa
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-6)
     checksums = {summary(run)["param_checksum"] for run in (ft_run, ft_run / "group_1", hsdp_run)}
     assert len(checksums) == 1
+
+
+@pytest.mark.slow
+def test_a_lost_lighthouse_stops_the_run_with_one_line(tmp_path: Path):
+    """A group started by hand on a lighthouse that dies mid-run: its next quorum fails
+    after ft.quorum_timeout_s and the run stops with one line, exit 3, saying that
+    nothing was saved, why, and how to continue."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    run_dir = tmp_path / "run"
+    command = [
+        str(Path(sys.executable).with_name("ciuic-train")), *TINY, "train.max_steps=100000", "train.log_every=1",
+        "ft.enabled=true", "ft.groups=1", f"ft.lighthouse={lighthouse.address()}", "ft.quorum_timeout_s=3",
+        "ft.timeout_s=2", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
+    ]
+    run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").is_file() or len(metrics(run_dir)) < 3:
+            assert run.poll() is None and time.monotonic() < deadline, "the run never logged 3 steps"
+            time.sleep(0.1)
+        lighthouse.shutdown()
+        _, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 3, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "no quorum from the lighthouse" in last and "within ft.quorum_timeout_s=3 s" in last, err[-3000:]
+    assert "without a save (with no quorum no group knows whether it is the one that saves)" in last
+    assert "Traceback" not in err and not (run_dir / "checkpoints").exists()

@@ -54,7 +54,8 @@ from torch.distributed import ReduceOp
 
 from ciuic_train.errors import RunFailed
 from ciuic_train.ft.config import FtConfig
-from ciuic_train.ft.replicas import ReplicaGroups, _local
+from ciuic_train.ft.live_state import local_tensor
+from ciuic_train.ft.replicas import ReplicaGroups
 
 log = logging.getLogger("ciuic_train")
 
@@ -168,12 +169,13 @@ class DiLoCoGroups(ReplicaGroups):
 
     def _anchors_state(self) -> dict[str, Any]:
         """What a healing peer receives beside the trainer's state: this rank's shards, copied."""
-        return {kind: {name: _local(t).clone() for name, t in by_name.items()} for kind, by_name in self.tensors().items()}
+        return {kind: {name: local_tensor(t).clone() for name, t in by_name.items()}
+                for kind, by_name in self.tensors().items()}
 
     def _load_anchors(self, state: dict[str, Any]) -> None:
         for kind, by_name in self.tensors().items():
             for name, tensor in by_name.items():
-                _local(tensor).copy_(state[kind][name])
+                local_tensor(tensor).copy_(state[kind][name])
         self._in_flight = None  # an exchange of the schedule this group left
 
     def set_step(self, step: int) -> None:
@@ -279,7 +281,8 @@ class DiLoCoGroups(ReplicaGroups):
         adds nothing (not even to the count)."""
         part = self.fragments[fragment]
         with torch.no_grad():
-            changes = [(_local(a) - _local(p.detach())).reshape(-1) for a, p in zip(part.anchors, part.params)]
+            changes = [(local_tensor(anchor) - local_tensor(param.detach())).reshape(-1)
+                       for anchor, param in zip(part.anchors, part.params)]
             one = torch.ones(1, dtype=torch.float32, device=self.parallel.device)
             flat = torch.cat([*changes, *(b.reshape(-1).float() for b in part.biases), one])
             if joined:
@@ -297,10 +300,10 @@ class DiLoCoGroups(ReplicaGroups):
         offset = 0
         with torch.no_grad():
             for param, anchor, momentum in zip(part.params, part.anchors, part.momenta):
-                anchor, weight = _local(anchor), _local(param.detach())
+                anchor, weight = local_tensor(anchor), local_tensor(param.detach())
                 change = mean[offset : offset + anchor.numel()].view_as(anchor)
                 offset += anchor.numel()
-                outer_sgd_(anchor, _local(momentum), change, self.ft.outer_lr, self.ft.outer_momentum)
+                outer_sgd_(anchor, local_tensor(momentum), change, self.ft.outer_lr, self.ft.outer_momentum)
                 weight.lerp_(anchor, 1.0 - self.ft.merge_alpha)
             for bias in part.biases:
                 bias.copy_(mean[offset : offset + bias.numel()].view_as(bias))

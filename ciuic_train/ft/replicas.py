@@ -44,7 +44,8 @@ from typing import Any, Callable
 import torch
 
 from ciuic_train.errors import RunFailed, first_line
-from ciuic_train.ft.config import START_STORE, FtConfig, Sync
+from ciuic_train.ft.config import START_STORE, FtConfig
+from ciuic_train.ft.live_state import local_tensor
 from ciuic_train.launch.paths import uses_agent_store
 
 log = logging.getLogger("ciuic_train")
@@ -201,9 +202,9 @@ class ReplicaGroups(OneGroup):
         except Exception as err:  # the lighthouse is gone, or never answered
             raise RunFailed(
                 f"replica group {self.group}: no quorum from the lighthouse {self.ft.lighthouse} "
-                f"({first_line(err)}) within ft.quorum_timeout_s={self.ft.quorum_timeout_s:g} s; the run stops after "
-                f"step {self.manager.current_step()} without a save: run the command again once the lighthouse "
-                "answers (resume=auto continues from the last checkpoint)"
+                f"({first_line(err)}) within ft.quorum_timeout_s={self.ft.quorum_timeout_s:g} s; the run stops at "
+                f"{self._where()} without a save (with no quorum no group knows whether it is the one that saves): "
+                "run the command again once the lighthouse answers (resume=auto continues from the last checkpoint)"
             ) from None
         participants = self.manager.num_participants()
         if participants != self._last_participants and self.parallel.is_main:
@@ -230,7 +231,7 @@ class ReplicaGroups(OneGroup):
         the averaged figures. Before the commit: what a lost peer corrupts is dropped."""
         from torch.distributed import ReduceOp
 
-        grads = [_local(g) for g in grads]
+        grads = [local_tensor(g) for g in grads]
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
         figures = figures.detach().double().clone()
         counts = torch.cat([c.reshape(-1) for c in sums]).double() if sums else torch.zeros(0, dtype=torch.float64)
@@ -271,42 +272,6 @@ class ReplicaGroups(OneGroup):
         self.manager.shutdown(wait=False)
 
 
-def replica_groups(ft: FtConfig, parallel, max_steps: int, state: Callable[[], dict], load: Callable[[dict], None],
-                   resume: Callable[[], None]) -> OneGroup:
-    """The replica groups `ft` asks for: torchft's, meeting every step or in DiLoCo's
-    rounds (up to `max_steps`), or the world as one group."""
-    if not ft.enabled:
-        return OneGroup()
-    if ft.sync is Sync.diloco:
-        from ciuic_train.ft.diloco import DiLoCoGroups
-
-        return DiLoCoGroups(ft, parallel, max_steps, state, load, resume)
-    return ReplicaGroups(ft, parallel, state, load, resume)
-
-
-def load_local_state(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
-    """A peer's `local_state` of the model and optimizer, into this rank's (the same layout)."""
-    for name, tensor in model.state_dict().items():
-        _local(tensor).copy_(model_state[name])
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {}
-    for index, values in optimizer_state["state"].items():
-        param = params[int(index)]
-        state[index] = {key: _like(param, value) for key, value in values.items()}
-    optimizer.load_state_dict({**optimizer_state, "state": state})
-
-
-def _like(param: torch.Tensor, value: Any) -> Any:
-    """An optimizer state's local `value` as `param` holds it: a DTensor for a DTensor's
-    moments (the same shards), anything else (the step count) as it came."""
-    if hasattr(param, "to_local") and isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return value
-
-
 def _all_groups_started(groups: int, timeout_s: float, rank: int) -> None:
     """On a launch's first attempt, wait until every group the CLI's launcher started is
     about to ask for its first quorum (`START_STORE`), so that the first step is every
@@ -322,27 +287,6 @@ def _all_groups_started(groups: int, timeout_s: float, rank: int) -> None:
         if time.monotonic() > deadline:
             raise RunFailed(f"the other replica groups did not start within ft.quorum_timeout_s={timeout_s:g} s")
         time.sleep(0.05)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `tensor` (a DTensor's local shard), as a plain tensor sharing its memory."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def local_state(tree: Any) -> Any:
-    """`tree` with every DTensor replaced by its local shard (what a peer sends).
-
-    A CPU tensor is copied: torchft serves it by reference while the peer downloads, and
-    this rank may train on meanwhile (DiLoCo overlaps an exchange with steps); a GPU's it
-    copies to the host itself."""
-    if isinstance(tree, dict):
-        return {key: local_state(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(local_state(value) for value in tree)
-    if not isinstance(tree, torch.Tensor):
-        return tree
-    local = _local(tree).detach()
-    return local.clone() if local.device.type == "cpu" else local
 
 
 def _group_store() -> tuple[str, int]:

@@ -69,7 +69,8 @@ from ciuic_train.distributed.params import peak_memory_bytes
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.errors import RunFailed, first_line
 from ciuic_train.files import format_bytes
-from ciuic_train.ft.replicas import local_state, load_local_state, replica_groups
+from ciuic_train.ft.groups import replica_groups
+from ciuic_train.ft.live_state import load_local_state, local_state
 from ciuic_train.model import Transformer, generate
 from ciuic_train.model.common import IGNORE_INDEX
 from ciuic_train.model.init import ParameterInit
