@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose_config, run_cli
+from conftest import compose_config, free_port, run_cli
 
 TINY = ["model=tiny", "sample.max_new_tokens=0", "train.log_every=5", "train.eval_every=1000", "progress=plain"]
 
@@ -193,28 +193,46 @@ def test_a_lost_lighthouse_stops_the_run_with_one_line(tmp_path: Path):
     """A group started by hand on a lighthouse that dies mid-run: its next quorum fails
     after ft.quorum_timeout_s and the run stops with one line, exit 3, saying that
     nothing was saved, why, and how to continue."""
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [str(Path(sys.executable).with_name("torchft_lighthouse")), "--min_replicas", "1", "--bind", f"[::]:{port}",
+         "--join_timeout_ms", "100"], env={**os.environ, "RUST_LOG": "warn"})
     run_dir = tmp_path / "run"
     command = [
         str(Path(sys.executable).with_name("ciuic-train")), *TINY, "train.max_steps=100000", "train.log_every=1",
-        "ft.enabled=true", "ft.groups=1", f"ft.lighthouse={lighthouse.address()}", "ft.quorum_timeout_s=3",
+        "ft.enabled=true", "ft.groups=1", f"ft.lighthouse=http://127.0.0.1:{port}", "ft.quorum_timeout_s=3",
         "ft.timeout_s=2", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
     ]
-    run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = None
     try:
+        deadline = time.monotonic() + 60
+        while not _answers(f"http://127.0.0.1:{port}"):
+            assert lighthouse.poll() is None and time.monotonic() < deadline, "the lighthouse never answered"
+            time.sleep(0.1)
+        run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").is_file() or len(metrics(run_dir)) < 3:
             assert run.poll() is None and time.monotonic() < deadline, "the run never logged 3 steps"
             time.sleep(0.1)
-        lighthouse.shutdown()
+        lighthouse.kill()
         _, err = run.communicate(timeout=120)
     finally:
-        if run.poll() is None:
-            run.kill()
+        for process in (lighthouse, run):
+            if process is not None and process.poll() is None:
+                process.kill()
     assert run.returncode == 3, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert "no quorum from the lighthouse" in last and "within ft.quorum_timeout_s=3 s" in last, err[-3000:]
     assert "without a save (with no quorum no group knows whether it is the one that saves)" in last
     assert "Traceback" not in err and not (run_dir / "checkpoints").exists()
+
+
+def _answers(address: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(address, timeout=1).close()
+        return True
+    except (urllib.error.URLError, OSError):
+        return False

@@ -1,0 +1,457 @@
+"""DDP against torchft DiLoCo replica groups across a rate-limited link: speed and loss.
+
+Two emulated hosts (scripts/cluster/netns_cluster.sh: host0 = 10.77.0.1, host1 = 10.77.0.2,
+each a network namespace, one tc tbf-limited link between them) train `model=small` with
+2 ranks, one per host, one thread each (OMP_NUM_THREADS=1), seed 0, in each layout:
+
+    ddp            plain DDP: torchrun --nnodes=2 --nproc_per_node=1 on each host, c10d
+                   rendezvous on host0
+    ddp_bf16       the same, dist.grad_compression=bf16
+    ddp_powersgd   the same, dist.grad_compression=powersgd (rank dist.powersgd_rank=1,
+                   after dist.powersgd_start_step=10 plain steps)
+    diloco_8       two torchft replica groups of 1 rank, one per host (ft.enabled=true
+                   ft.groups=2 ft.group=G ft.sync=diloco ft.sync_every=8)
+    diloco_32      the same, ft.sync_every=32
+    streaming_32   Streaming DiLoCo: ft.sync_every=32 ft.fragments=4 ft.sync_delay=2
+    ddp_delayed_sync (optional) ddp with +trick=delayed_sync
+
+at each link rate of `--rates` (Mbit/s, `LINK_MBIT=R netns_cluster.sh up`; 0 = unlimited).
+Every run trains `--steps` steps (train.eval_every = steps: val_loss once, at the end, on the
+fixed validation windows; sample.max_new_tokens=0, ckpt.every=0, one shared data.cache_dir so
+the corpus is tokenized once, before the first measured run).
+
+For the ft layouts this script plays the CLI launcher's part by hand, inside host0 (the
+machine's own namespace cannot reach 10.77.0.x): one helper process holds a torchft
+lighthouse (torchft's LighthouseServer, as `ciuic-train ... ft.enabled=true` starts it)
+and a fresh TCPStore named by CIUIC_TRAIN_FT_START_STORE, where both groups' rank 0 meet
+before their first step (so neither trains its first steps alone). Each group is its own
+torchrun (--nnodes=1, its c10d store on its own host, so that the other group reaches the
+torchft store through hostN), with its own hydra.run.dir (RUN/g0, RUN/g1) and a shared
+ft.checkpoints (RUN/g0).
+
+Figures (from each run's summary.json): tokens/s is GLOBAL: DDP's rank-0 summary already
+counts both ranks' tokens; under ft each group's summary counts only its own, so the global
+figure is the SUM of both groups' tokens_per_s. final_val_loss is rank 0's (ddp) or group
+0's (ft; both groups end on the same weights, group 1's is kept too). wall_s, syncs, sync_s
+are the summaries' (ft: both groups'). The table gives, per layout and rate, the global
+tokens/s, its ratio to the same layout on the unlimited link, its ratio to ddp on the same
+link, and val_loss.
+
+Run it as root (network namespaces, tc), with nothing else busy on the cores:
+
+    sudo .venv/bin/python scripts/bench_ft_links.py                        # rates 0,1000,300,100
+    sudo .venv/bin/python scripts/bench_ft_links.py --rates 0,300 --steps 64 --layouts ddp,diloco_32
+    sudo .venv/bin/python scripts/bench_ft_links.py --dry-run              # 8 steps, ft.sync_every=4
+
+Raw results: `--out` (docs/bench/bench_ft_links.json; a dry run: /tmp/bench_ft_links_dry.json),
+rewritten after every run. Runs' folders and logs: `--work` (/tmp/bench_ft_links). The hosts
+are brought up if needed and brought down at the end (`--keep-up` leaves them up, unlimited).
+`--budget-min` starts no run after that many minutes; the remaining ones are listed as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER = REPO / "scripts" / "cluster" / "netns_cluster.sh"
+RUN_TIMEOUT_S = 600
+HOSTS = 2
+
+# name: (kind, overrides)
+LAYOUTS: dict[str, tuple[str, list[str]]] = {
+    "ddp": ("ddp", []),
+    "ddp_bf16": ("ddp", ["dist.grad_compression=bf16"]),
+    "ddp_powersgd": ("ddp", ["dist.grad_compression=powersgd"]),
+    "diloco_8": ("ft", ["ft.sync=diloco", "ft.sync_every=8"]),
+    "diloco_32": ("ft", ["ft.sync=diloco", "ft.sync_every=32"]),
+    "streaming_32": ("ft", ["ft.sync=diloco", "ft.sync_every=32", "ft.fragments=4", "ft.sync_delay=2"]),
+    "ddp_delayed_sync": ("ddp", ["+trick=delayed_sync"]),
+}
+DEFAULT_LAYOUTS = "ddp,ddp_bf16,ddp_powersgd,diloco_8,diloco_32,streaming_32"
+# --dry-run: the same mechanics in 8 steps (a sync every 4; streaming: 2 fragments, delay 1).
+DRY_LAYOUTS: dict[str, list[str]] = {
+    "diloco_8": ["ft.sync=diloco", "ft.sync_every=4"],
+    "diloco_32": ["ft.sync=diloco", "ft.sync_every=4"],
+    "streaming_32": ["ft.sync=diloco", "ft.sync_every=4", "ft.fragments=2", "ft.sync_delay=1"],
+}
+
+
+def say(msg: str) -> None:
+    print(f"[{datetime.now(timezone.utc):%H:%M:%S}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- inside host0: lighthouse and start store
+
+
+def serve(lighthouse_port: int, store_port: int, ready: Path) -> None:
+    """Hold a torchft lighthouse and a TCPStore (the groups' start barrier) until SIGTERM."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torchft._torchft import LighthouseServer
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    lighthouse = LighthouseServer(bind=f"[::]:{lighthouse_port}", min_replicas=1, join_timeout_ms=1000,
+                                  quorum_tick_ms=100, heartbeat_timeout_ms=5000)  # fmt: skip
+    store = dist.TCPStore("0.0.0.0", store_port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))  # fmt: skip
+    ready.write_text(json.dumps({"lighthouse": lighthouse.address(), "store_port": store.port}))
+    try:
+        while not stop:
+            time.sleep(0.2)
+    finally:
+        lighthouse.shutdown()
+
+
+# ---------------------------------------------------------------- the hosts
+
+
+def cluster(*args: str, mbit: int | None = None) -> str:
+    env = {**os.environ, "HOSTS": str(HOSTS), **({"LINK_MBIT": str(mbit)} if mbit is not None else {})}
+    done = subprocess.run([str(CLUSTER), *args], env=env, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"netns_cluster.sh {' '.join(args)}: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout.strip()
+
+
+def set_link(mbit: int) -> str:
+    """Every host's eth0 at `mbit` Mbit/s (0: unlimited); checked against `status`."""
+    cluster("up", mbit=mbit)
+    status = cluster("status")
+    for line in status.splitlines():
+        has_tbf = f"rate {mbit}Mbit" in line or (mbit >= 1000 and f"rate {mbit // 1000}Gbit" in line)
+        if (mbit == 0 and "tbf" in line) or (mbit and not has_tbf):
+            raise RuntimeError(f"link not at {mbit} Mbit/s: {status}")
+    return status
+
+
+def host_pids(host: int) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", f"ciuic-host{host}"], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def tx_bytes(host: int) -> int:
+    out = subprocess.run(["ip", "netns", "exec", f"ciuic-host{host}", "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return int(out.stdout)
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    """Stop a process started in its own session, and whatever it started: SIGTERM, then SIGKILL."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+
+def sweep_hosts() -> list[int]:
+    """Whatever is still running in a host's namespace after a run (all of it ours): killed."""
+    left = [pid for h in range(HOSTS) for pid in host_pids(h)]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def cpu_info() -> dict:
+    text = Path("/proc/cpuinfo").read_text()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return {"cpu_model": model, "avx512f": "avx512f" in flags, "cores": os.cpu_count()}
+
+
+# ---------------------------------------------------------------- one run
+
+
+def wait_all(procs: list[subprocess.Popen], name: str, timeout_s: float) -> None:
+    """Until every process has exited; the first failure, or the timeout, ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: still running after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def tail(path: Path, n: int = 20) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
+
+
+def common(args) -> list[str]:
+    return [
+        "model=small", f"seed={args.seed}", f"train.max_steps={args.steps}", f"train.eval_every={args.steps}",
+        "sample.max_new_tokens=0", "progress=plain", "ckpt.every=0", f"data.cache_dir={args.work / 'cache'}",
+    ]  # fmt: skip
+
+
+def run_ddp(args, run_dir: Path, overrides: list[str], port: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen] = []
+    try:
+        for h in range(HOSTS):
+            cmd = [str(CLUSTER), "exec", str(h), sys.executable, "-m", "torch.distributed.run",
+                   f"--nnodes={HOSTS}", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=host0:{port}", f"--rdzv-id={run_dir.name}-{os.getpid()}",
+                   "-m", "ciuic_train", *common(args), *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, cwd=args.work, env=env, start_new_session=True,
+                                          stdout=open(run_dir / f"host{h}.log", "w"), stderr=subprocess.STDOUT))  # fmt: skip
+        wait_all(procs, run_dir.name, RUN_TIMEOUT_S)
+    finally:
+        for p in procs:
+            kill_group(p)
+    bad = [h for h, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"host{bad[0]} exited with {procs[bad[0]].returncode}:\n{tail(run_dir / f'host{bad[0]}.log')}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "tokens_per_s": summary["tokens_per_s"], "final_val_loss": summary.get("final_val_loss"),
+        "final_train_loss": summary.get("final_train_loss"), "wall_s": summary.get("wall_s"),
+        "syncs": None, "sync_s": None, "steps": summary.get("steps"), "world_size": summary.get("world_size"),
+    }  # fmt: skip
+
+
+def run_ft(args, run_dir: Path, overrides: list[str], port: int) -> dict:
+    """Both groups, a lighthouse and the start store (fresh: its count starts at 0)."""
+    lighthouse_port, store_port = port, port + 1
+    ready = run_dir / "serve.ready"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn",
+           "CIUIC_TRAIN_FT_START_STORE": f"host0:{store_port}"}  # fmt: skip
+    helper = subprocess.Popen(
+        [str(CLUSTER), "exec", "0", sys.executable, str(Path(__file__).resolve()), "--_serve",
+         str(lighthouse_port), str(store_port), str(ready)],
+        cwd=args.work, env=env, start_new_session=True, stdout=open(run_dir / "serve.log", "w"),
+        stderr=subprocess.STDOUT)  # fmt: skip
+    procs: list[subprocess.Popen] = []
+    folders = [run_dir / f"g{g}" for g in range(HOSTS)]
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if helper.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the lighthouse/store helper on host0 did not start:\n{tail(run_dir / 'serve.log')}")
+            time.sleep(0.1)
+        for g, folder in enumerate(folders):
+            folder.mkdir()
+            cmd = [str(CLUSTER), "exec", str(g), sys.executable, "-m", "torch.distributed.run",
+                   "--nnodes=1", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=host{g}:{port + 2 + g}", f"--rdzv-id={run_dir.name}-g{g}-{os.getpid()}",
+                   "-m", "ciuic_train", *common(args), *overrides,
+                   "ft.enabled=true", f"ft.groups={HOSTS}", f"ft.group={g}",
+                   f"ft.lighthouse=http://host0:{lighthouse_port}", f"ft.checkpoints={folders[0]}",
+                   f"hydra.run.dir={folder}"]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, cwd=args.work, env=env, start_new_session=True,
+                                          stdout=open(run_dir / f"host{g}.log", "w"), stderr=subprocess.STDOUT))  # fmt: skip
+        wait_all(procs, run_dir.name, RUN_TIMEOUT_S)
+    finally:
+        for p in procs:  # one group failed: the other, training alone, is stopped too
+            kill_group(p)
+        kill_group(helper)
+    bad = [g for g, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"group {bad[0]} (host{bad[0]}) exited with {procs[bad[0]].returncode}:\n"
+                           f"{tail(run_dir / f'host{bad[0]}.log')}")  # fmt: skip
+    sums = [json.loads((folder / "summary.json").read_text()) for folder in folders]
+    return {
+        "tokens_per_s": sum(s["tokens_per_s"] for s in sums),  # global: the groups' own rates, summed
+        "tokens_per_s_groups": [s["tokens_per_s"] for s in sums],
+        "final_val_loss": sums[0].get("final_val_loss"),
+        "final_val_loss_groups": [s.get("final_val_loss") for s in sums],
+        "final_train_loss": sums[0].get("final_train_loss"),
+        "wall_s": max(s.get("wall_s") or 0 for s in sums), "wall_s_groups": [s.get("wall_s") for s in sums],
+        "syncs": sums[0].get("syncs"), "syncs_groups": [s.get("syncs") for s in sums],
+        "sync_s": sums[0].get("sync_s"), "sync_s_groups": [s.get("sync_s") for s in sums],
+        "steps": [s.get("steps") for s in sums], "retried_syncs": [s.get("retried_syncs") for s in sums],
+        "param_checksums": [s.get("param_checksum") for s in sums],
+    }  # fmt: skip
+
+
+def one_run(args, layout: str, mbit: int, port: int) -> dict:
+    kind, overrides = LAYOUTS[layout]
+    if args.dry_run and layout in DRY_LAYOUTS:
+        overrides = DRY_LAYOUTS[layout]
+    run_dir = args.work / f"{layout}-{mbit or 'unl'}"
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    run_dir.mkdir(parents=True)
+    tx0 = [tx_bytes(h) for h in range(HOSTS)]
+    t0 = time.monotonic()
+    record = {"layout": layout, "kind": kind, "link_mbit": mbit, "overrides": overrides, "run_dir": str(run_dir)}
+    try:
+        figures = (run_ddp if kind == "ddp" else run_ft)(args, run_dir, overrides, port)
+        record.update(ok=True, **figures)
+    except Exception as error:  # noqa: BLE001 - one failed layout must not stop the others
+        record.update(ok=False, error=str(error)[-3000:])
+    record["driver_wall_s"] = time.monotonic() - t0
+    record["tx_mb"] = [(tx_bytes(h) - tx0[h]) / 1e6 for h in range(HOSTS)]
+    left = sweep_hosts()
+    if left:
+        record["left_behind_killed"] = left
+    record.update(cpu_info())
+    return record
+
+
+# ---------------------------------------------------------------- table
+
+
+def table(records: list[dict], layouts: list[str], rates: list[int]) -> list[dict]:
+    by = {(r["layout"], r["link_mbit"]): r for r in records}
+    rows = []
+    for layout in layouts:
+        for mbit in rates:
+            r = by.get((layout, mbit))
+            if r is None:
+                continue
+            row = {"layout": layout, "link": f"{mbit} Mbit/s" if mbit else "unlimited", "ok": r.get("ok", False)}
+            if r.get("ok"):
+                tok = r["tokens_per_s"]
+                unl, ddp = by.get((layout, 0)), by.get(("ddp", mbit))
+                row.update(
+                    tok_s=round(tok),
+                    vs_unlimited=round(tok / unl["tokens_per_s"], 3) if unl and unl.get("ok") else None,
+                    vs_ddp=round(tok / ddp["tokens_per_s"], 3) if ddp and ddp.get("ok") else None,
+                    val_loss=round(r["final_val_loss"], 4) if r.get("final_val_loss") is not None else None,
+                    syncs=r.get("syncs"), sync_s=round(r["sync_s"], 2) if r.get("sync_s") is not None else None,
+                    wall_s=round(r["driver_wall_s"], 1),
+                )  # fmt: skip
+            else:
+                row["error"] = r.get("error", r.get("skipped", "?")).strip().splitlines()[-1][:100]
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["layout", "link", "tok_s", "vs_unlimited", "vs_ddp", "val_loss", "syncs", "sync_s", "wall_s"]
+    head = ["layout", "link", "global tok/s", "/unlimited", "/ddp same link", "val_loss", "syncs", "sync_s", "wall s"]
+    cells = [[("" if row.get(c) is None else str(row.get(c))) for c in cols] for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for row, c in zip(rows, cells):
+        line = "  ".join(x.ljust(w) for x, w in zip(c, widths))
+        print(line if row["ok"] else f"{row['layout']:<{widths[0]}}  {row['link']:<{widths[1]}}  FAILED: {row['error']}")
+    print("global tok/s: ddp = rank 0's summary (both ranks' tokens); ft layouts = the SUM of both groups' "
+          "tokens_per_s (each group's summary counts only its own). val_loss: rank 0 / group 0, at the last step. "
+          "sync_s: group 0's time standing still for exchanges. wall s: the driver's, start-up included.")
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--_serve":
+        return serve(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="0,1000,300,100", help="link rates in Mbit/s, in the order run (0: unlimited)")
+    p.add_argument("--steps", type=int, default=64, help="train.max_steps of every run (a multiple of 32)")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, of: {','.join(LAYOUTS)}")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default docs/bench/bench_ft_links.json)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/bench_ft_links"), help="runs' folders, logs, token cache")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=29600, help="first port; every run takes 4 fresh ones")
+    p.add_argument("--budget-min", type=float, default=0, help="start no run after this many minutes (0: no limit)")
+    p.add_argument("--dry-run", action="store_true", help="8 steps, ft.sync_every=4: check the mechanics")
+    p.add_argument("--keep-up", action="store_true", help="leave the hosts up (unlimited) at the end")
+    args = p.parse_args()
+    rates = [int(x) for x in args.rates.split(",") if x.strip()]
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown:
+        p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    if args.dry_run:
+        args.steps = 8
+    elif any(LAYOUTS[x][0] == "ft" for x in layouts) and args.steps % 32:
+        p.error(f"--steps={args.steps}: use a multiple of 32 (ft.sync_every=32 layouts)")
+    if args.out is None:
+        args.out = Path("/tmp/bench_ft_links_dry.json") if args.dry_run else REPO / "docs" / "bench" / "bench_ft_links.json"
+    if os.geteuid() != 0:
+        raise SystemExit("bench_ft_links: needs root (network namespaces, tc); run it with sudo")
+    args.work = args.work.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
+    started, t0 = datetime.now(timezone.utc), time.monotonic()
+    env = {"date_utc": started.isoformat(timespec="seconds"), **cpu_info(), "argv": sys.argv,
+           "python": sys.version.split()[0], "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3]}  # fmt: skip
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:
+        pass
+    records: list[dict] = []
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"what": "model=small, 2 ranks on 2 emulated hosts (netns, tc tbf link), 1 thread each; "
+                       "tokens_per_s global (ft: sum of both groups)",
+               "env": env, "steps": args.steps, "seed": args.seed, "rates_mbit": rates, "layouts": layouts,
+               "total_wall_s": round(time.monotonic() - t0, 1), "table": table(records, layouts, rates), "runs": records}  # fmt: skip
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    say(f"bench_ft_links: {len(layouts)} layouts x {len(rates)} rates, {args.steps} steps each; "
+        f"CPU {env['cpu_model']}, avx512f {env['avx512f']}")
+    cluster("up", mbit=0)
+    try:
+        # The corpus tokenized once, in the machine's namespace, before anything is timed.
+        cache_log = args.work / "cache.log"
+        with open(cache_log, "w") as log:
+            done = subprocess.run([sys.executable, "-m", "ciuic_train", *common(args)[:1], "train.max_steps=1",
+                                   "train.eval_every=1", "train.eval_windows=1", "sample.max_new_tokens=0",
+                                   "progress=plain", "ckpt.every=0", f"data.cache_dir={args.work / 'cache'}",
+                                   f"hydra.run.dir={args.work / 'cache-run'}"],
+                                  cwd=args.work, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"bench_ft_links: the token cache run failed:\n{tail(cache_log)}")
+        port = args.port
+        for mbit in rates:
+            status = set_link(mbit)
+            for layout in layouts:
+                if args.budget_min and time.monotonic() - t0 > args.budget_min * 60:
+                    say(f"{layout} at {mbit or 'unlimited'}: skipped (past --budget-min {args.budget_min:g})")
+                    records.append({"layout": layout, "link_mbit": mbit, "ok": False, "skipped": "past --budget-min"})
+                    continue
+                say(f"{layout} at {mbit or 'unlimited'}{' Mbit/s' if mbit else ''} ...")
+                record = one_run(args, layout, mbit, port)
+                record["link_status"] = status.splitlines()
+                port += 4
+                records.append(record)
+                save()
+                if record["ok"]:
+                    say(f"  {record['tokens_per_s']:.0f} tok/s global, val_loss {record['final_val_loss']:.4f}, "
+                        f"syncs {record['syncs']}, sync_s {record['sync_s']}, {record['driver_wall_s']:.0f} s"
+                        + (f"; killed {len(record['left_behind_killed'])} left-behind processes"
+                           if record.get("left_behind_killed") else ""))  # fmt: skip
+                else:
+                    say(f"  FAILED: {record['error'].strip().splitlines()[-1] if record['error'].strip() else '?'}")
+    finally:
+        try:
+            sweep_hosts()
+            if args.keep_up:
+                set_link(0)
+            else:
+                cluster("down")
+        finally:
+            save()
+    say(f"done in {time.monotonic() - t0:.0f} s; results in {args.out}")
+    print()
+    print_table(table(records, layouts, rates))
+    print(f"CPU: {env['cpu_model']}; /proc/cpuinfo lists avx512f: {env['avx512f']}; {env['cores']} cores")
+
+
+if __name__ == "__main__":
+    main()
