@@ -121,14 +121,17 @@ def test_diloco_syncing_every_step_with_plain_outer_sgd_is_synchronous_training(
 
 
 @pytest.mark.slow
-def test_diloco_groups_drift_apart_between_syncs_and_agree_after_each(tmp_path: Path):
+def test_diloco_groups_drift_apart_between_syncs_agree_after_each_and_resume_exactly(tmp_path: Path):
     """H=4: every group evaluates the same validation windows, so equal val losses mean
     equal weights (and balancing biases): after steps 4, 8 and 12, not after 2, 6, 10.
-    The checkpoint holds the anchors and the outer momentum."""
-    run_dir = tmp_path / "run"
-    result = run_cli(*TINY, "train.max_steps=12", "train.log_every=1", "train.eval_every=2", "ckpt.every=8",
-                     "ft.sync=diloco", "ft.sync_every=4", f"data.cache_dir={tmp_path / 'cache'}",
-                     f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    The checkpoint of step 8 holds the anchors and the outer momentum: with an inner
+    optimizer that keeps no state (SGD without momentum), a restart of both groups from
+    it ends bit for bit where the uninterrupted run did; without the outer momentum it
+    would not (its first sync after the resume would apply plain SGD)."""
+    run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
+    common = [*TINY, "train.max_steps=12", "train.log_every=1", "train.eval_every=2", "ft.sync=diloco",
+              "ft.sync_every=4", "optim=sgd", "optim.momentum=0", "train.lr=0.2", f"data.cache_dir={tmp_path / 'cache'}"]
+    result = run_cli(*common, "ckpt.every=8", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     groups = [metrics(run_dir), metrics(run_dir / "group_1")]
     val = [{r["step"]: r["val_loss"] for r in group if "val_loss" in r} for group in groups]
@@ -143,9 +146,15 @@ def test_diloco_groups_drift_apart_between_syncs_and_agree_after_each(tmp_path: 
     assert first["syncs"] == 3 and first["retried_syncs"] == 0 and first["checkpoint_saves"] == 2
     import torch.distributed.checkpoint as dcp
 
-    saved = dcp.FileSystemReader(str(run_dir / "checkpoints" / "step_000008")).read_metadata().state_dict_metadata
+    step_8 = run_dir / "checkpoints" / "step_000008"
+    saved = dcp.FileSystemReader(str(step_8)).read_metadata().state_dict_metadata
     assert any(key.startswith("ft.anchor.layers.0.") for key in saved)
     assert any(key.startswith("ft.outer_momentum.lm_head.") for key in saved)
+    result = run_cli(*common, f"resume={step_8}", f"hydra.run.dir={resumed}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary(resumed)["resumed_from"] == str(step_8) and summary(resumed)["steps"] == 12
+    for group in (resumed, resumed / "group_1"):
+        assert summary(group)["param_checksum"] == first["param_checksum"]
 
 
 @pytest.mark.slow
