@@ -52,6 +52,14 @@ def text_corpus(tmp_path: Path) -> Path:
     return write_text_corpus(tmp_path / "corpus")
 
 
+def assert_refused(result: subprocess.CompletedProcess, expected: str, run_dir: Path) -> None:
+    """A user's mistake: exit status 2, one line on stderr that holds `expected`, no run folder."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert not run_dir.exists()
+
+
 def free_port() -> int:
     """A TCP port the OS has free now, for a rendezvous: asked of the OS, not drawn from an
     RNG, whose state other tests set."""

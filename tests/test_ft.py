@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose_config, free_port, run_cli
+from conftest import assert_refused, compose_config, free_port, run_cli
 
 TINY = ["model=tiny", "sample.max_new_tokens=0", "train.log_every=5", "train.eval_every=1000", "progress=plain"]
 
@@ -43,10 +43,7 @@ def summary(run_dir: Path) -> dict:
 def test_ft_mistakes_get_one_line_and_start_nothing(tmp_path: Path, args, expected):
     run_dir = tmp_path / "run"
     result = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], result.stderr
-    assert not run_dir.exists()
+    assert_refused(result, expected, run_dir)
 
 
 def test_ft_is_off_by_default_and_typed():

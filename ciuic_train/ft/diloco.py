@@ -245,12 +245,12 @@ class DiLoCoGroups(ReplicaGroups):
 
     def _sync(self, fragment: int, step: int, index: int, joined: bool) -> None:
         """Apply `fragment`'s exchange in flight, or run one now; again until one commits."""
-        exchange, self._in_flight = self._in_flight, None
-        committed = exchange is not None and not joined and self._finish(exchange)
-        for attempt in range(MAX_TRIES):
-            if committed:
-                return
-            if exchange is not None and not joined:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and in_flight.fragment == fragment and self._finish(in_flight):
+            return
+        retry = in_flight is not None
+        for _ in range(MAX_TRIES):
+            if retry:
                 self.retried_syncs += 1
                 if self.parallel.is_main:
                     log.warning(f"replica group {self.group}: the sync of fragment {fragment} after step {step} "
@@ -258,11 +258,11 @@ class DiLoCoGroups(ReplicaGroups):
             if not joined:
                 self._meet(step, index)
             exchange = self._exchange(fragment, joined)
-            joined = False
-            committed = self._finish(exchange)
-        if not committed:
-            raise RunFailed(f"replica group {self.group}: the sync of fragment {fragment} after step {step} failed "
-                            f"{MAX_TRIES} times in a row; the run stops")
+            joined, retry = False, True
+            if self._finish(exchange):
+                return
+        raise RunFailed(f"replica group {self.group}: the sync of fragment {fragment} after step {step} failed "
+                        f"{MAX_TRIES} times in a row; the run stops")
 
     def _meet(self, step: int, index: int) -> None:
         """The quorum of item `index` of `step`'s plan; raises _Healed if it brought a peer's state."""
