@@ -92,6 +92,12 @@ def test_diloco_mistakes_get_one_line_and_start_nothing(tmp_path: Path, args, ex
     assert_refused(result, expected, run_dir)
 
 
+def test_diloco_without_replica_groups_is_refused(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    result = run_cli("model=tiny", "ft.sync=diloco", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+    assert_refused(result, "ft.sync=diloco trains across replica groups: add ft.enabled=true", run_dir)
+
+
 @pytest.mark.slow
 def test_diloco_syncing_every_step_with_plain_outer_sgd_is_synchronous_training(tmp_path: Path):
     """H=1, outer lr 1, no outer momentum: the new weights are the mean of the groups'

@@ -82,6 +82,9 @@ LIGHTHOUSE_ADDRESS = re.compile(r"^https?://[^\s/:]+(:\d+)?/?$")
 def check_ft(ft: FtConfig, pp: int, log_grad_consistency: bool, n_layers: int) -> None:
     """`ft.*` against the schema's limits and what a group may run inside; one line each."""
     if not ft.enabled:
+        if ft.sync is Sync.diloco:
+            raise UserError("ft.sync=diloco trains across replica groups: add ft.enabled=true "
+                            "(dist.nproc_per_node=N ft.groups=G for the CLI to start them)")
         return
     if ft.groups < 1:
         raise UserError(f"ft.groups={ft.groups} must be at least 1")
