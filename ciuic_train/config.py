@@ -490,7 +490,7 @@ def validate(config: Config) -> None:
         raise UserError(f"dist.nnodes={config.dist.nnodes} must be at least 1")
     if config.dist.timeout_s < 1:
         raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
-    check_ft(config.ft, config.dist.pp, config.train.log_grad_consistency, config.model.n_layers)
+    check_ft(config.ft, config.train.log_grad_consistency, config.model.n_layers)
     check_tricks(config.trick)
     check_loggers(config.logger)
     from ciuic_train.distributed.pipeline_split import check_pipeline  # the package needs this module first

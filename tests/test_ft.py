@@ -36,7 +36,6 @@ def summary(run_dir: Path) -> dict:
         (["ft.enabled=true", "ft.lighthouse=127.0.0.1:9"], "must be an address http://host:port"),
         (["ft.enabled=true", "ft.group=2"], "ft.group=2 must be between 0 and ft.groups-1=1"),
         (["ft.enabled=true", "dist.nproc_per_node=2", "ft.min_groups=3"], "ft.min_groups=3 must be between 1"),
-        (["ft.enabled=true", "dist.nproc_per_node=4", "dist.pp=2"], "replica groups of pipelines are not supported"),
         (["ft.enabled=true", "ft.timeout_s=0"], "ft.timeout_s=0.0 must be positive"),
     ],
 )
@@ -75,6 +74,31 @@ def test_two_groups_without_faults_train_as_ddp_of_the_same_global_batch(tmp_pat
     assert summary(ft_run)["checkpoint_saves"] == 1 and summary(ft_run / "group_1")["checkpoint_saves"] == 0
     assert (ft_run / "checkpoints" / "step_000020").is_dir() and not (ft_run / "group_1" / "checkpoints").exists()
     assert "torchft" in (ft_run / "train.log").read_text() and "torchft" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_pipelines_inside_two_groups_train_as_one_world_of_replicated_pipelines(tmp_path: Path):
+    """2 groups, each a 2-stage pipeline, against one world of 4: 2 stages x 2 replicas.
+    Each stage rank averages its own stage's gradients with the same rank of the other
+    group; the sums run in another order than the world's, so the figures agree to 1e-6,
+    not bit for bit."""
+    common = ["model=tiny", "model.n_layers=4", "train.seq_len=64", "sample.max_new_tokens=0", "progress=plain",
+              "train.max_steps=10", "train.log_every=1", "train.eval_every=10", "dist.nproc_per_node=4", "dist.pp=2",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    ft_run, world_run = tmp_path / "ft", tmp_path / "world"
+    result = run_cli(*common, "ft.enabled=true", "ft.groups=2", f"hydra.run.dir={ft_run}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli(*common, "dist.dp_replicate=2", f"hydra.run.dir={world_run}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary(ft_run)["mesh"]["pp"] == 2 and summary(world_run)["mesh"]["dp_replicate"] == 2
+    reference = metrics(world_run)
+    for group in (metrics(ft_run), metrics(ft_run / "group_1")):
+        assert [r["step"] for r in group] == list(range(1, 11)) and all(r["participants"] == 2 for r in group)
+        for mine, theirs in zip(group, reference):
+            for key in ("loss", "grad_norm"):
+                assert mine[key] == pytest.approx(theirs[key], abs=1e-6), (mine["step"], key)
+        assert group[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], abs=1e-6)
+    assert summary(ft_run)["param_checksum"] == summary(ft_run / "group_1")["param_checksum"]
 
 
 def _assert_survived_and_healed(run_dir: Path, max_steps: int) -> tuple[dict, list[dict]]:

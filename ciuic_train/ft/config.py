@@ -1,15 +1,15 @@
 """The schema of `ft.*` (fault tolerance across replica groups) and its checks; no torch.
 
 With `ft.enabled=true` the outer data-parallel dimension is split into `ft.groups`
-replica groups, each its own torch.distributed world (DDP, FSDP or `ep` inside it as
-without `ft`), tied together by torchft: a lighthouse that forms a quorum of the live
-groups before each step, and a Manager in each group that averages across them. A group
-that dies leaves the others training; one that (re)starts takes the live state from a
-peer (ciuic_train/ft/replicas.py). With `ft.sync=every_step` the gradients are averaged
-across the live groups every step: the same update as one DDP world of the same global
-batch. With `ft.sync=diloco` each group takes `ft.sync_every` steps of its own and the
-groups then average how far they moved (ciuic_train/ft/diloco.py): nothing crosses the
-slow link between groups in between.
+replica groups, each its own torch.distributed world (DDP, FSDP, `ep` or a pipeline
+inside it as without `ft`), tied together by torchft: a lighthouse that forms a quorum
+of the live groups before each step, and a Manager in each group that averages across
+them. A group that dies leaves the others training; one that (re)starts takes the live
+state from a peer (ciuic_train/ft/replicas.py). With `ft.sync=every_step` the gradients
+are averaged across the live groups every step: the same update as one DDP world of the
+same global batch. With `ft.sync=diloco` each group takes `ft.sync_every` steps of its
+own and the groups then average how far they moved (ciuic_train/ft/diloco.py): nothing
+crosses the slow link between groups in between.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ START_STORE = "CIUIC_TRAIN_FT_START_STORE"
 LIGHTHOUSE_ADDRESS = re.compile(r"^https?://[^\s/:]+(:\d+)?/?$")
 
 
-def check_ft(ft: FtConfig, pp: int, log_grad_consistency: bool, n_layers: int) -> None:
+def check_ft(ft: FtConfig, log_grad_consistency: bool, n_layers: int) -> None:
     """`ft.*` against the schema's limits and what a group may run inside; one line each."""
     if not ft.enabled:
         if ft.sync is Sync.diloco:
@@ -100,9 +100,6 @@ def check_ft(ft: FtConfig, pp: int, log_grad_consistency: bool, n_layers: int) -
     if ft.lighthouse and not LIGHTHOUSE_ADDRESS.match(ft.lighthouse):
         raise UserError(f"ft.lighthouse={ft.lighthouse!r} must be an address http://host:port")
     check_diloco(ft, n_layers)
-    if pp > 1:
-        raise UserError(f"ft.enabled=true with dist.pp={pp}: replica groups of pipelines are not supported; "
-                        "use dist.pp=1 inside each group")
     if log_grad_consistency:
         raise UserError("train.log_grad_consistency=true measures DDP's all-reduce within one world; "
                         "with ft.enabled=true turn it off")

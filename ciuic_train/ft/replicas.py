@@ -1,9 +1,10 @@
 """Replica groups: the outer data-parallel dimension, made fault tolerant by torchft.
 
 Without `ft` the world is one replica group (`OneGroup`, whose methods do nothing). With
-`ft.enabled=true` each group is a torch.distributed world of its own (DDP, FSDP or `ep`
-inside it, unchanged), and `ReplicaGroups` ties the groups together through a torchft
-Manager in every rank, around each training step:
+`ft.enabled=true` each group is a torch.distributed world of its own (DDP, FSDP, `ep`
+or a pipeline inside it, unchanged: a stage's rank meets the same rank of the other
+groups), and `ReplicaGroups` ties the groups together through a torchft Manager in every
+rank, around each training step:
 
     start_step   the quorum: which groups take part in this step. A group behind the
                  others (one that restarted) receives their live state here, from the
