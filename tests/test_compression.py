@@ -49,3 +49,17 @@ def test_bf16_and_powersgd_train_near_fp32_ddp_but_not_as_it(tmp_path: Path):
         assert lines[-1]["loss"] < lines[0]["loss"] - 0.5  # it trains
         for mine, theirs in zip(lines, plain):
             assert mine["loss"] == pytest.approx(theirs["loss"], abs=tolerance)
+
+
+@pytest.mark.slow
+def test_powersgd_over_many_buckets_on_gloo_does_not_hang(tmp_path: Path):
+    """torch's PowerSGD hook waits inside gloo's callbacks: with the many small buckets
+    asked for here the ranks hung at the first compressed steps (dist.timeout_s ended the
+    run); off CUDA it now runs in one bucket and trains through."""
+    run_dir = tmp_path / "run"
+    result = run_cli("model=tiny", "sample.max_new_tokens=0", "progress=plain", "train.max_steps=10",
+                     "train.log_every=1", "train.eval_every=1000", "dist.nproc_per_node=2",
+                     "dist.grad_compression=powersgd", "dist.powersgd_start_step=2", "dist.ddp_bucket_mb=0.05",
+                     "dist.timeout_s=20", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 10

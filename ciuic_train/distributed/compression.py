@@ -62,6 +62,22 @@ def compression_hook(dist: DistConfig, group) -> CommHook | None:
     return None
 
 
+def compression_bucket_mb(dist: DistConfig, device_type: str) -> float:
+    """DDP's bucket size under `dist.grad_compression` (0: DDP's own choice, `dist.ddp_bucket_mb`).
+
+    torch's PowerSGD hook waits for one collective inside the callback of another; gloo
+    runs those callbacks on its few worker threads, so with several buckets in flight the
+    waits hold every thread and the ranks hang (model=small's 8 buckets, from its third
+    compressed step). Off CUDA it gets one bucket (beside DDP's small first one)."""
+    if dist.grad_compression is GradCompression.powersgd and device_type != "cuda":
+        return ONE_BUCKET_MB
+    return dist.ddp_bucket_mb
+
+
+# Larger than any model's gradients: every parameter in one bucket.
+ONE_BUCKET_MB = float(1 << 30)
+
+
 def bf16_all_reduce(group, bucket):
     """The bucket's mean over `group`, sent as bfloat16. torch's own bf16 hook refuses
     anything but NCCL and XCCL; gloo reduces bf16 as well, so the CPU runs this path too."""

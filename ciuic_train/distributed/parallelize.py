@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ciuic_train.config import Config, GradCompression, Precision
-from ciuic_train.distributed.compression import compression_hook, refuse_compression
+from ciuic_train.distributed.compression import compression_bucket_mb, compression_hook, refuse_compression
 from ciuic_train.distributed.data_parallel import replicate_with_ddp, shard_with_fsdp
 from ciuic_train.distributed.expert_parallel import split_experts
 from ciuic_train.distributed.materialize import materialize
@@ -87,7 +87,7 @@ def parallelize(
         materialize(model, mesh.device, init)
         group = mesh.replicas().get_group() if mesh.device_mesh is not None else None
         return replicate_with_ddp(model, mesh, comm_hook or compression_hook(config.dist, group),
-                                  config.dist.ddp_bucket_mb)
+                                  compression_bucket_mb(config.dist, mesh.device.type))
     if comm_hook is not None:  # one process: a sharded mesh refused the hook above
         log.warning(f"trick {hook_trick}: world size 1, no gradient all-reduce to act on")
     if config.dist.grad_compression is not GradCompression.none and mesh.strategy == "none":
