@@ -47,6 +47,9 @@ Raw results: `--out` (docs/bench/bench_ft_links.json; a dry run: /tmp/bench_ft_l
 rewritten after every run. Runs' folders and logs: `--work` (/tmp/bench_ft_links). The hosts
 are brought up if needed and brought down at the end (`--keep-up` leaves them up, unlimited).
 `--budget-min` starts no run after that many minutes; the remaining ones are listed as skipped.
+`--append` keeps the runs already in `--out` and runs only the missing or failed pairs
+(`--redo ddp@0,...` runs pairs again; the table takes the latest successful record).
+DDP runs get dist.timeout_s=60, so that a collective that hangs fails in a minute.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "scripts" / "cluster" / "netns_cluster.sh"
 RUN_TIMEOUT_S = 600
 HOSTS = 2
+DDP_TIMEOUT_S = 60
 
 # name: (kind, overrides)
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
@@ -192,6 +196,20 @@ def wait_all(procs: list[subprocess.Popen], name: str, timeout_s: float) -> None
         time.sleep(0.2)
 
 
+def cause(text: str) -> str:
+    """The line of a failed run's logs that says why (gloo's abort, ciuic-train's one-line error)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for marker in ("what():", "ciuic-train: error", "Error:", "error:"):
+        hit = next((ln for ln in lines if marker in ln), None)
+        if hit:
+            return hit
+    return lines[-1] if lines else "?"
+
+
+def tails(run_dir: Path, n: int = 40) -> str:
+    return "\n".join(f"--- host{h}.log:\n{tail(run_dir / f'host{h}.log', n)}" for h in range(HOSTS))
+
+
 def tail(path: Path, n: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
 
@@ -205,6 +223,9 @@ def common(args) -> list[str]:
 
 def run_ddp(args, run_dir: Path, overrides: list[str], port: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A collective that hangs (a rank gone) fails after DDP_TIMEOUT_S, not the default 300 s;
+    # every all-reduce of these runs takes a few seconds at most, even at 100 Mbit/s.
+    overrides = [*overrides, f"dist.timeout_s={DDP_TIMEOUT_S}"]
     procs: list[subprocess.Popen] = []
     try:
         for h in range(HOSTS):
@@ -220,7 +241,7 @@ def run_ddp(args, run_dir: Path, overrides: list[str], port: int) -> dict:
             kill_group(p)
     bad = [h for h, p in enumerate(procs) if p.returncode != 0]
     if bad:
-        raise RuntimeError(f"host{bad[0]} exited with {procs[bad[0]].returncode}:\n{tail(run_dir / f'host{bad[0]}.log')}")
+        raise RuntimeError(f"host{bad[0]} exited with {procs[bad[0]].returncode}:\n{tails(run_dir)}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "tokens_per_s": summary["tokens_per_s"], "final_val_loss": summary.get("final_val_loss"),
@@ -267,7 +288,7 @@ def run_ft(args, run_dir: Path, overrides: list[str], port: int) -> dict:
     bad = [g for g, p in enumerate(procs) if p.returncode != 0]
     if bad:
         raise RuntimeError(f"group {bad[0]} (host{bad[0]}) exited with {procs[bad[0]].returncode}:\n"
-                           f"{tail(run_dir / f'host{bad[0]}.log')}")  # fmt: skip
+                           f"{tails(run_dir)}")  # fmt: skip
     sums = [json.loads((folder / "summary.json").read_text()) for folder in folders]
     return {
         "tokens_per_s": sum(s["tokens_per_s"] for s in sums),  # global: the groups' own rates, summed
@@ -297,7 +318,7 @@ def one_run(args, layout: str, mbit: int, port: int) -> dict:
         figures = (run_ddp if kind == "ddp" else run_ft)(args, run_dir, overrides, port)
         record.update(ok=True, **figures)
     except Exception as error:  # noqa: BLE001 - one failed layout must not stop the others
-        record.update(ok=False, error=str(error)[-3000:])
+        record.update(ok=False, error=str(error)[-6000:])
     record["driver_wall_s"] = time.monotonic() - t0
     record["tx_mb"] = [(tx_bytes(h) - tx0[h]) / 1e6 for h in range(HOSTS)]
     left = sweep_hosts()
@@ -311,7 +332,11 @@ def one_run(args, layout: str, mbit: int, port: int) -> dict:
 
 
 def table(records: list[dict], layouts: list[str], rates: list[int]) -> list[dict]:
-    by = {(r["layout"], r["link_mbit"]): r for r in records}
+    by: dict[tuple, dict] = {}
+    for r in records:  # the latest record of a (layout, rate), a successful one before a failed one
+        key = (r["layout"], r["link_mbit"])
+        if r.get("ok") or not by.get(key, {}).get("ok"):
+            by[key] = r
     rows = []
     for layout in layouts:
         for mbit in rates:
@@ -331,7 +356,7 @@ def table(records: list[dict], layouts: list[str], rates: list[int]) -> list[dic
                     wall_s=round(r["driver_wall_s"], 1),
                 )  # fmt: skip
             else:
-                row["error"] = r.get("error", r.get("skipped", "?")).strip().splitlines()[-1][:100]
+                row["error"] = cause(r.get("error") or r.get("skipped") or "?")[:160]
             rows.append(row)
     return rows
 
@@ -367,6 +392,10 @@ def main() -> None:
     p.add_argument("--budget-min", type=float, default=0, help="start no run after this many minutes (0: no limit)")
     p.add_argument("--dry-run", action="store_true", help="8 steps, ft.sync_every=4: check the mechanics")
     p.add_argument("--keep-up", action="store_true", help="leave the hosts up (unlimited) at the end")
+    p.add_argument("--append", action="store_true",
+                   help="keep the runs already in --out and run only the (layout, rate) pairs without a successful one")
+    p.add_argument("--redo", default="", help="with --append: LAYOUT@RATE,... to run again even if they succeeded "
+                                              "(the table takes the latest)")
     args = p.parse_args()
     rates = [int(x) for x in args.rates.split(",") if x.strip()]
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
@@ -393,16 +422,31 @@ def main() -> None:
     except ImportError:
         pass
     records: list[dict] = []
+    sessions: list[dict] = []
+    if args.append and args.out.exists():
+        old = json.loads(args.out.read_text())
+        records = [r for r in old.get("runs", []) if not r.get("skipped")]
+        sessions = old.get("sessions") or [{**old.get("env", {}), "session_wall_s": old.get("total_wall_s", 0.0)}]
+        rates = list(dict.fromkeys([*old.get("rates_mbit", []), *rates]))
+        layouts = list(dict.fromkeys([*old.get("layouts", []), *layouts]))
+    redo = {tuple(x.split("@")) for x in args.redo.split(",") if x.strip()}
+    have = {(r["layout"], r["link_mbit"]) for r in records if r.get("ok")}
+    todo = [(m, x) for m in [int(y) for y in args.rates.split(",") if y.strip()]
+            for x in [y.strip() for y in args.layouts.split(",") if y.strip()]
+            if (x, m) not in have or (x, str(m)) in redo]
+    session = {**env, "session_wall_s": 0.0, "runs": [f"{x}@{m}" for m, x in todo]}
+    sessions.append(session)
 
     def save() -> None:
+        session["session_wall_s"] = round(time.monotonic() - t0, 1)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         doc = {"what": "model=small, 2 ranks on 2 emulated hosts (netns, tc tbf link), 1 thread each; "
                        "tokens_per_s global (ft: sum of both groups)",
-               "env": env, "steps": args.steps, "seed": args.seed, "rates_mbit": rates, "layouts": layouts,
-               "total_wall_s": round(time.monotonic() - t0, 1), "table": table(records, layouts, rates), "runs": records}  # fmt: skip
+               "env": env, "sessions": sessions, "steps": args.steps, "seed": args.seed, "rates_mbit": rates, "layouts": layouts,
+               "total_wall_s": round(sum(x["session_wall_s"] for x in sessions), 1), "table": table(records, layouts, rates), "runs": records}  # fmt: skip
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
 
-    say(f"bench_ft_links: {len(layouts)} layouts x {len(rates)} rates, {args.steps} steps each; "
+    say(f"bench_ft_links: {len(todo)} runs ({len(layouts)} layouts x {len(rates)} rates), {args.steps} steps each; "
         f"CPU {env['cpu_model']}, avx512f {env['avx512f']}")
     cluster("up", mbit=0)
     try:
@@ -417,27 +461,29 @@ def main() -> None:
                                   stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"bench_ft_links: the token cache run failed:\n{tail(cache_log)}")
-        port = args.port
-        for mbit in rates:
-            status = set_link(mbit)
-            for layout in layouts:
-                if args.budget_min and time.monotonic() - t0 > args.budget_min * 60:
-                    say(f"{layout} at {mbit or 'unlimited'}: skipped (past --budget-min {args.budget_min:g})")
-                    records.append({"layout": layout, "link_mbit": mbit, "ok": False, "skipped": "past --budget-min"})
-                    continue
-                say(f"{layout} at {mbit or 'unlimited'}{' Mbit/s' if mbit else ''} ...")
-                record = one_run(args, layout, mbit, port)
-                record["link_status"] = status.splitlines()
-                port += 4
-                records.append(record)
-                save()
-                if record["ok"]:
-                    say(f"  {record['tokens_per_s']:.0f} tok/s global, val_loss {record['final_val_loss']:.4f}, "
-                        f"syncs {record['syncs']}, sync_s {record['sync_s']}, {record['driver_wall_s']:.0f} s"
-                        + (f"; killed {len(record['left_behind_killed'])} left-behind processes"
-                           if record.get("left_behind_killed") else ""))  # fmt: skip
-                else:
-                    say(f"  FAILED: {record['error'].strip().splitlines()[-1] if record['error'].strip() else '?'}")
+        port, status, at = args.port, "", None
+        for mbit, layout in todo:
+            if at != mbit:
+                status, at = set_link(mbit), mbit
+            if args.budget_min and time.monotonic() - t0 > args.budget_min * 60:
+                say(f"{layout} at {mbit or 'unlimited'}: skipped (past --budget-min {args.budget_min:g})")
+                records.append({"layout": layout, "link_mbit": mbit, "ok": False, "skipped": "past --budget-min"})
+                continue
+            say(f"{layout} at {mbit or 'unlimited'}{' Mbit/s' if mbit else ''} ...")
+            record = one_run(args, layout, mbit, port)
+            record["link_status"] = status.splitlines()
+            if (layout, str(mbit)) in redo:
+                record["redo"] = True
+            port += 4
+            records.append(record)
+            save()
+            if record["ok"]:
+                say(f"  {record['tokens_per_s']:.0f} tok/s global, val_loss {record['final_val_loss']:.4f}, "
+                    f"syncs {record['syncs']}, sync_s {record['sync_s']}, {record['driver_wall_s']:.0f} s"
+                    + (f"; killed {len(record['left_behind_killed'])} left-behind processes"
+                       if record.get("left_behind_killed") else ""))  # fmt: skip
+            else:
+                say(f"  FAILED: {cause(record['error'])[:300]}")
     finally:
         try:
             sweep_hosts()
