@@ -64,6 +64,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from netns_claims import cluster, set_link  # the emulated hosts and their link rate
+
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "scripts" / "cluster" / "netns_cluster.sh"
 RUN_TIMEOUT_S = 600
@@ -121,23 +123,6 @@ def serve(lighthouse_port: int, store_port: int, ready: Path) -> None:
 # ---------------------------------------------------------------- the hosts
 
 
-def cluster(*args: str, mbit: int | None = None) -> str:
-    env = {**os.environ, "HOSTS": str(HOSTS), **({"LINK_MBIT": str(mbit)} if mbit is not None else {})}
-    done = subprocess.run([str(CLUSTER), *args], env=env, capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise RuntimeError(f"netns_cluster.sh {' '.join(args)}: {done.stderr.strip() or done.stdout.strip()}")
-    return done.stdout.strip()
-
-
-def set_link(mbit: int) -> str:
-    """Every host's eth0 at `mbit` Mbit/s (0: unlimited); checked against `status`."""
-    cluster("up", mbit=mbit)
-    status = cluster("status")
-    for line in status.splitlines():
-        has_tbf = f"rate {mbit}Mbit" in line or (mbit >= 1000 and f"rate {mbit // 1000}Gbit" in line)
-        if (mbit == 0 and "tbf" in line) or (mbit and not has_tbf):
-            raise RuntimeError(f"link not at {mbit} Mbit/s: {status}")
-    return status
 
 
 def host_pids(host: int) -> list[int]:
