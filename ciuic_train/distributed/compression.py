@@ -62,6 +62,10 @@ def compression_hook(dist: DistConfig, group) -> CommHook | None:
     return None
 
 
+# Larger than any model's gradients: every parameter in one bucket.
+ONE_BUCKET_MB = float(1 << 30)
+
+
 def compression_bucket_mb(dist: DistConfig, device_type: str) -> float:
     """DDP's bucket size under `dist.grad_compression` (0: DDP's own choice, `dist.ddp_bucket_mb`).
 
@@ -72,10 +76,6 @@ def compression_bucket_mb(dist: DistConfig, device_type: str) -> float:
     if dist.grad_compression is GradCompression.powersgd and device_type != "cuda":
         return ONE_BUCKET_MB
     return dist.ddp_bucket_mb
-
-
-# Larger than any model's gradients: every parameter in one bucket.
-ONE_BUCKET_MB = float(1 << 30)
 
 
 def bf16_all_reduce(group, bucket):

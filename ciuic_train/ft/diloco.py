@@ -54,7 +54,7 @@ from torch.distributed import ReduceOp
 
 from ciuic_train.errors import RunFailed
 from ciuic_train.ft.config import FtConfig
-from ciuic_train.ft.live_state import local_tensor
+from ciuic_train.ft.live_state import local_state, local_tensor
 from ciuic_train.ft.replicas import ReplicaGroups
 
 log = logging.getLogger("ciuic_train")
@@ -151,9 +151,8 @@ class DiLoCoGroups(ReplicaGroups):
         self.between = ft.sync_every // ft.fragments  # steps from one fragment's sync to the next's
         self.slots = ft.fragments + 2  # the most items a boundary's plan holds, and one to spare
         self.fragments: list[Fragment] = []
-        self._step = 0
         self._in_flight: Exchange | None = None
-        self._participants, self._met = ft.groups, False
+        self._met = False  # whether any quorum has formed yet
         self.syncs = self.retried_syncs = 0
         self.sync_s = 0.0  # the time training stood still for exchanges
         self.manager.register_state_dict_fn("diloco", self._load_anchors, self._anchors_state)
@@ -168,18 +167,14 @@ class DiLoCoGroups(ReplicaGroups):
         }
 
     def _anchors_state(self) -> dict[str, Any]:
-        """What a healing peer receives beside the trainer's state: this rank's shards, copied."""
-        return {kind: {name: local_tensor(t).clone() for name, t in by_name.items()}
-                for kind, by_name in self.tensors().items()}
+        """What a healing peer receives beside the trainer's state: this rank's shards."""
+        return local_state(self.tensors())
 
     def _load_anchors(self, state: dict[str, Any]) -> None:
         for kind, by_name in self.tensors().items():
             for name, tensor in by_name.items():
                 local_tensor(tensor).copy_(state[kind][name])
         self._in_flight = None  # an exchange of the schedule this group left
-
-    def set_step(self, step: int) -> None:
-        self._step = step
 
     def start_step(self) -> None:
         """Only a restarted group meets the others here: it waits for their next quorum and
@@ -188,7 +183,7 @@ class DiLoCoGroups(ReplicaGroups):
         if not self._rejoining:
             return
         try:
-            self._meet(self._step, 0)
+            self._meet(0, 0)  # a restarted group starts at step 0, behind any live peer
         except _Healed as healed:
             self._rejoining = False
             self._run(healed.step, healed.index, joined=True)
@@ -203,7 +198,6 @@ class DiLoCoGroups(ReplicaGroups):
         return True  # an inner step is this group's alone: nothing to agree on
 
     def end_step(self, step: int) -> None:
-        self._step = step
         began = time.perf_counter()
         self._run(step)
         waited = time.perf_counter() - began
@@ -211,7 +205,8 @@ class DiLoCoGroups(ReplicaGroups):
         self.longest_stall_s = max(self.longest_stall_s, waited)
 
     def step_figures(self) -> dict[str, Any]:
-        return {"participants": self._participants, "syncs": self.syncs}
+        participants = self.manager.num_participants() if self._met else self.groups
+        return {"participants": participants, "syncs": self.syncs}
 
     def saves(self) -> bool:
         return self.manager.participating_rank() == 0 if self._met else self.group == 0
@@ -270,10 +265,8 @@ class DiLoCoGroups(ReplicaGroups):
                                       "batches_committed": self.manager.batches_committed()})
         self._quorum()
         self._met = True
-        self._participants = self.manager.num_participants()
         if self._healed:
-            self._step, at = divmod(self.manager.current_step(), self.slots)
-            raise _Healed(self._step, at)
+            raise _Healed(*divmod(self.manager.current_step(), self.slots))
 
     def _exchange(self, fragment: int, joined: bool) -> Exchange:
         """Start summing `fragment`'s change since its anchor, and its biases, over the
