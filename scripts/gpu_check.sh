@@ -13,8 +13,9 @@
 # caps add up to less than it); a failing stage does not stop the next. Each prints one
 # summary line, and OUT/summary.txt holds them all:
 #   standin    (--dry-run only) the GPU image's interpreter played by a fresh venv holding
-#              what that image has (torch 2.13.0, numpy, rich, safetensors, PyYAML,
-#              packaging, pytest) and not what it lacks (hydra-core, omegaconf, antlr4)
+#              what that image has (torch, numpy, rich, safetensors, PyYAML, packaging,
+#              pytest), linked from BUILD_PYTHON's, and not what it lacks (hydra-core,
+#              omegaconf, antlr4): scripts/gpu_image_standin.py, no package index asked
 #   env        the GPU (nvidia-smi), the interpreter, its torch and what it sees
 #   install    the carried wheels into a folder on PYTHONPATH (no index, no dependencies,
 #              no editable install), after checking the project's wheel was built from
@@ -27,17 +28,19 @@
 #   bench      scripts/bench.py at ~1 B parameters in bf16, trainer and bare loop, MFU
 #              against the measured matmul peak and against PEAK_TFLOPS. --dry-run: tiny, fp32
 # Outputs in OUT: summary.txt, gpu_check.log (everything), nvidia-smi.txt, test_gpu.xml,
-# bench.json. The work folder (stage logs, run folders, the stand-in venv) is deleted at
-# exit. Exit status: 0 every stage passed, 1 one failed or ran out of time, 2 no interpreter
-# with torch.
+# bench.json. The work folder (stage logs, run folders, the stand-in venv, the dry run's
+# wheels) is deleted at exit. Exit status: 0 every stage passed, 1 one failed or ran out of
+# time, 2 no interpreter with torch.
 #
 # Installing: the GPU machine has no network, and its python3 (torch 2.11 with CUDA 13, and
 # most of what the project needs) lacks hydra-core, omegaconf and antlr4-python3-runtime.
-# `--build-wheels` puts in .whl/ (git-ignored) this tree's project wheel and those three,
-# at the versions installed here, with .whl/SOURCE naming the tree they were built from;
-# rebuild after every change (the GPU run refuses a stale wheel). --dry-run builds them
-# itself when they are missing or stale. BUILD_PYTHON: the interpreter that builds them
-# (default .venv/bin/python, else python3).
+# `--build-wheels` puts in .whl/ (git-ignored; WHEELS names another folder) this tree's
+# project wheel and those three, repacked from the versions installed here
+# (scripts/repack_wheel.py: no package index asked), with .whl/SOURCE naming the tree they
+# were built from; rebuild after every change (the GPU run refuses a stale wheel). --dry-run
+# builds its own in the work folder and writes nothing into the tree. BUILD_PYTHON: the
+# interpreter that builds them and lends the stand-in its packages (default
+# .venv/bin/python, else python3).
 set -euo pipefail
 if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then
     sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d'
@@ -46,7 +49,7 @@ fi
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
-WHEELS=$REPO/.whl
+WHEELS=${WHEELS:-$REPO/.whl}
 # The three the GPU image lacks, by distribution name.
 CARRIED=(hydra-core omegaconf antlr4-python3-runtime)
 
@@ -57,20 +60,26 @@ tree_hash() {
         LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
 }
 
+build_python() {
+    if [[ -n ${BUILD_PYTHON:-} ]]; then echo "$BUILD_PYTHON"
+    elif [[ -x $REPO/.venv/bin/python ]]; then echo "$REPO/.venv/bin/python"
+    else echo python3; fi
+}
+
 build_wheels() {
-    local py=${BUILD_PYTHON:-}
-    if [[ -z $py ]]; then
-        if [[ -x $REPO/.venv/bin/python ]]; then py=$REPO/.venv/bin/python; else py=python3; fi
-    fi
+    local py
+    py=$(build_python)
     mkdir -p "$WHEELS"
     rm -f "$WHEELS"/*.whl "$WHEELS/SOURCE"
-    local pins=()
-    for name in "${CARRIED[@]}"; do # the versions this machine's tests ran with
-        pins+=("$name==$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")")
-    done
-    echo "+ pip wheel --no-deps ${pins[*]} and this tree (with $py)"
-    "$py" -m pip wheel -q --no-deps -w "$WHEELS" "${pins[@]}" 2>&1 | grep -v '^WARNING: Location' || true
-    "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" "$REPO" 2>&1 | grep -v '^WARNING: Location' || true
+    echo "+ scripts/repack_wheel.py ${CARRIED[*]} (the versions installed for $py) and pip wheel this tree"
+    "$py" "$REPO/scripts/repack_wheel.py" "$WHEELS" "${CARRIED[@]}" || return 1
+    # From a copy of what the wheel is built from: setuptools builds in the tree it is given.
+    local src
+    src=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_src.XXXXXX")
+    tar -C "$REPO" --exclude=__pycache__ -cf - ciuic_train conf hydra_plugins pyproject.toml README.md | tar -C "$src" -xf -
+    "$py" -m pip wheel -q --no-index --no-deps --no-build-isolation -w "$WHEELS" "$src" 2>&1 |
+        grep -v '^WARNING: Location' || true
+    rm -rf "$src"
     tree_hash >"$WHEELS/SOURCE"
     ls "$WHEELS"
     local count
@@ -118,9 +127,7 @@ say() { echo "$*" >>"$WORK/$STAGE.line"; } # a stage's summary line (the stage f
 
 stage_standin() {
     local venv=$WORK/standin
-    python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install -q torch==2.13.0 numpy rich safetensors pyyaml packaging pytest 2>&1 |
-        grep -v '^WARNING: Location' || true
+    "$(build_python)" "$REPO/scripts/gpu_image_standin.py" "$venv" || { say "the stand-in venv could not be made"; return 1; }
     "$venv/bin/python" -c 'import torch, numpy, rich, safetensors, yaml, pytest' || { say "the stand-in venv lacks a package"; return 1; }
     if "$venv/bin/python" -c 'import hydra' 2>/dev/null; then say "the stand-in has hydra: it proves nothing"; return 1; fi
     say "a fresh venv with torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') and the image's packages, without hydra-core/omegaconf/antlr4"
@@ -148,8 +155,8 @@ print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__versi
 }
 
 stage_install() {
-    if [[ $DRY_RUN == 1 && ("$(cat "$WHEELS/SOURCE" 2>/dev/null)" != "$(tree_hash)") ]]; then
-        echo "dry run: the wheels are missing or stale here, building them"
+    if [[ $DRY_RUN == 1 ]]; then
+        echo "dry run: building the wheels in the work folder"
         build_wheels
     fi
     local want have
@@ -288,10 +295,11 @@ PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 # Stage logs and run folders; every command runs from here, outside the repo root, so the
 # installed ciuic_train (whose ciuic_train.conf Hydra needs) is the one imported.
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
-# Gone at exit, as a stage's output is already in OUT/gpu_check.log: --dry-run's stand-in venv
-# alone is 1 GB, and CI runs the dry run on a disk that every run would otherwise fill further.
+# Gone at exit: a stage's output is already in OUT/gpu_check.log, and CI runs the dry run
+# on a disk that every run would otherwise fill further.
 trap 'rm -rf "$WORK"' EXIT
 SITE=$WORK/site
+if [[ $DRY_RUN == 1 ]]; then WHEELS=$WORK/whl; fi
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 START=$(date +%s)
@@ -299,7 +307,7 @@ DEADLINE=$((START + BUDGET_S))
 STAGES=()
 declare -A VERDICT=() TOOK=()
 
-export REPO WORK SITE PY DRY_RUN OUT_DIR PEAK_TFLOPS
+export REPO WORK SITE PY DRY_RUN OUT_DIR PEAK_TFLOPS WHEELS
 
 # --- the run ---------------------------------------------------------------------------------
 echo "gpu_check.sh $([[ $DRY_RUN == 1 ]] && echo "--dry-run (CPU) ")at $(git rev-parse --short HEAD 2>/dev/null || echo '?'),"\

@@ -1,5 +1,8 @@
+import faulthandler
+import gc
 import os
 import random
+import time
 import socket
 import subprocess
 import sys
@@ -60,12 +63,27 @@ def assert_refused(result: subprocess.CompletedProcess, expected: str, run_dir: 
     assert not run_dir.exists()
 
 
+# Ports handed to a rendezvous lie below the kernel's ephemeral range, from which every
+# outgoing connection (gloo's among them) takes its local port: a port asked of the OS
+# (bind to 0) comes from that range, and could be taken by such a connection between the
+# test choosing it and the rendezvous binding it.
+RENDEZVOUS_PORTS = range(10000, 20000)  # Slurm jobs' rendezvous ports start at 20000 (launch/slurm.py)
+
+
 def free_port() -> int:
-    """A TCP port the OS has free now, for a rendezvous: asked of the OS, not drawn from an
-    RNG, whose state other tests set."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now and outside the ephemeral range, for a rendezvous: drawn by an
+    RNG of its own (other tests set the global ones), and checked by binding it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    draw = random.Random(f"{os.getpid()} {time.monotonic_ns()}")
+    for _ in range(200):
+        port = draw.randrange(RENDEZVOUS_PORTS.start, min(RENDEZVOUS_PORTS.stop, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {RENDEZVOUS_PORTS}")
 
 
 def peak_resident_growth(call) -> int:
@@ -93,6 +111,45 @@ def global_state_restored():
     torch.set_num_threads(threads)
     random.setstate(python_rng)
     torch.random.set_rng_state(torch_rng)
+
+
+@pytest.fixture(scope="module")
+def made_once(tmp_path_factory):
+    """`made_once(make, *args, **kwargs)`: `make(folder, *args, **kwargs)` run once per test
+    module for the same arguments, in a folder of its own; later calls return the first
+    result. For reference runs several tests compare against; a test must not change what
+    it gets (copy a run folder first)."""
+    made: dict = {}
+
+    def get(make, *args, **kwargs):
+        key = (make.__name__, args, tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = make(tmp_path_factory.mktemp(make.__name__), *args, **kwargs)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture
+def one_rank_gloo(tmp_path: Path):
+    """A one-rank gloo process group for tests that build DDP, FSDP or the expert exchange
+    in-process. Torn down as `Parallel.close` does: what the test built (DDP's reducers
+    hold the group) goes while the group is still registered, then a pause lets gloo's
+    worker free its last tensors (it needs the GIL, which a destructor joining it would
+    hold), and the destroy runs under a deadline: a hang anyway prints every thread's stack
+    and ends the suite with status 1 (faulthandler's C timer needs no GIL), instead of
+    holding CI until its limit."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    gc.collect()
+    time.sleep(0.2)
+    faulthandler.dump_traceback_later(60, exit=True)
+    try:
+        dist.destroy_process_group()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture

@@ -39,10 +39,23 @@ def available_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
 
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(available_bytes() < 16 * GIB, reason="8 ranks of up to 2 GiB each need 16 GiB available"),
-]
+# 8 ranks peak at about 2.4 GiB resident each (docs/distributed.md), at once.
+MEMORY_NEEDED = 20 * GIB
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def enough_memory():
+    """Skipped on a machine without the memory, except where `.ci/run` requires it
+    (CIUIC_REQUIRE_MEMORY=1): there a short machine fails loudly, so that the claim cannot
+    go untested with the suite green."""
+    available = available_bytes()
+    if available < MEMORY_NEEDED:
+        reason = (f"8 ranks of about 2.4 GiB each need {MEMORY_NEEDED / GIB:.0f} GiB available, "
+                  f"this machine has {available / GIB:.1f} GiB")
+        if os.environ.get("CIUIC_REQUIRE_MEMORY") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 def limited():

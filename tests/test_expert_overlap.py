@@ -9,11 +9,9 @@ process.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ciuic_train.distributed import expert_parallel
@@ -25,13 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture
-def ep_mesh(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    finally:
-        time.sleep(0.2)  # gloo's worker frees the last exchanges' tensors under the GIL (Parallel.close)
-        dist.destroy_process_group()
+def ep_mesh(one_rank_gloo):
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
 
 
 def built_model(mesh=None, overlap: bool = True) -> Transformer:

@@ -29,9 +29,21 @@ def work_folder(stdout: str) -> Path:
     return Path(re.search(r"work folder (\S+),", stdout).group(1))
 
 
+def tree_state() -> dict[str, int]:
+    """Every file under the repository root but the venv and git's own, with its mtime."""
+    skip = (REPO / ".venv", REPO / ".git")
+    return {str(p): p.stat().st_mtime_ns for p in REPO.rglob("*")
+            if p.is_file() and not any(p.is_relative_to(s) for s in skip) and "__pycache__" not in p.parts}
+
+
 @pytest.mark.slow
 def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "BUILD_PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    """Offline too: the stand-in links this interpreter's packages and the carried wheels
+    are repacked from the installed ones (the dry run asks no package index), and nothing
+    in the tree is written (its wheels are built in the work folder)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BUILD_PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "PIP_NO_INDEX": "1"}
+    before = tree_state()
     result = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=900)
     found = stages(tmp_path / "out" / "summary.txt")
     assert result.returncode == 0, json.dumps(found, indent=1) + result.stdout[-3000:]
@@ -47,11 +59,17 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "bench.json", "gpu_check.log", "summary.txt", "test_gpu.xml"
     ]
-    assert not work_folder(result.stdout).exists()  # its 1 GB stand-in venv included
+    assert not work_folder(result.stdout).exists()
+    assert tree_state() == before
 
-    # Without a GPU the real run says so in its env stage, runs on, and exits 1.
-    real = subprocess.run(["bash", str(SCRIPT)], env={**env, "OUT": str(tmp_path / "real"), "PYTHON": sys.executable},
-                          capture_output=True, text=True, timeout=600)
+    # Without a GPU the real run (its wheels built first, as on the machine that carries
+    # them) says so in its env stage, runs on, and exits 1.
+    real_env = {**env, "OUT": str(tmp_path / "real"), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "carried")}
+    carried = subprocess.run(["bash", str(SCRIPT), "--build-wheels"], env=real_env, capture_output=True, text=True,
+                             timeout=300)
+    assert carried.returncode == 0, carried.stdout[-3000:] + carried.stderr[-3000:]
+    tree = (tmp_path / "carried" / "SOURCE").read_text().strip()
+    real = subprocess.run(["bash", str(SCRIPT)], env=real_env, capture_output=True, text=True, timeout=600)
     found = stages(tmp_path / "real" / "summary.txt")
     assert real.returncode == 1, real.stdout[-3000:]
     assert found["env"][0] == "FAIL(1)" and "torch sees no CUDA device" in found["env"][1]
@@ -60,20 +78,17 @@ def test_the_dry_run_passes_every_stage_on_cpu(tmp_path):
     assert not work_folder(real.stdout).exists()  # gone after a failed run too
 
     # A GPU run refuses wheels built from another tree (here: SOURCE says so) in one line.
-    source = REPO / ".whl" / "SOURCE"
-    built = source.read_text()
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "SOURCE").write_text("0123456789abcdef\n")
     work = tmp_path / "work"
     work.mkdir()
-    stage_env = {**env, "GPU_CHECK_STAGE": "stage_install", "REPO": str(REPO), "WORK": str(work),
+    stage_env = {**env, "GPU_CHECK_STAGE": "stage_install", "REPO": str(REPO), "WORK": str(work), "WHEELS": str(wheels),
                  "SITE": str(work / "site"), "PY": sys.executable, "DRY_RUN": "0", "OUT_DIR": str(tmp_path / "out")}
-    try:
-        source.write_text("0123456789abcdef\n")
-        stale = subprocess.run(["bash", str(SCRIPT)], env=stage_env, capture_output=True, text=True, timeout=60)
-    finally:
-        source.write_text(built)
+    stale = subprocess.run(["bash", str(SCRIPT)], env=stage_env, capture_output=True, text=True, timeout=60)
     assert stale.returncode == 1
     assert (work / "install.line").read_text() == (
-        f".whl was built from tree 0123456789abcdef, this is tree {built.strip()}: "
+        f".whl was built from tree 0123456789abcdef, this is tree {tree}: "
         "run bash scripts/gpu_check.sh --build-wheels here and carry .whl\n"
     )
     assert not (work / "site").exists()

@@ -557,3 +557,31 @@ def test_the_measurement_times_both_backends(monkeypatch):
     ratios, share = gemm_choice.measure()
     assert set(ratios) == {"forward", "grad_input", "grad_weight"}
     assert all(0 < r < float("inf") for r in ratios.values()) and 0 < share
+
+
+def test_a_kept_eager_function_runs_between_the_graphs_of_a_compiled_caller():
+    """`kept_eager` is `torch.compiler.disable` applied late (`prepare_compile`): compiled,
+    its caller breaks the graph there and runs it eagerly, not traced."""
+    from ciuic_train.model.eager import kept_eager, prepare_compile
+
+    compiling = []
+
+    @kept_eager
+    def host_side(x):
+        compiling.append(torch.compiler.is_compiling())
+        return x + 1
+
+    prepare_compile()
+    compiled = torch.compile(lambda x: host_side(x * 2) * 3, backend="eager")
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 9.0))
+    assert compiling == [False]
+
+
+def test_the_trainer_imports_no_dynamo_until_it_compiles():
+    """Half a second of every process's start-up (tests/ and ranks alike) stays unspent."""
+    import subprocess
+    import sys
+
+    code = "import sys, ciuic_train.train.trainer, ciuic_train.cli.main; print('torch._dynamo' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr[-2000:]

@@ -134,30 +134,32 @@ def assert_same_training(pipeline: Path, single: Path, balance_loss: str = "aux_
 
 
 @pytest.mark.slow
-def test_a_1f1b_pipeline_with_mtp_trains_as_one_process(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_pipeline_with_mtp_trains_as_one_process(tmp_path, made_once, schedule):
     mtp = ["model.n_mtp_layers=1"]
-    pipeline = run_pipeline(tmp_path, "pp", *mtp)
+    pipeline = run_pipeline(tmp_path, "pp", f"dist.pp_schedule={schedule}", *mtp)
     summary = json.loads((pipeline / "summary.json").read_text())
     assert summary["mesh"]["pp"] == 2 and summary["world_size"] == 2
-    assert_same_training(pipeline, run_one_process(tmp_path, "one", 2, *mtp))
+    assert_same_training(pipeline, made_once(run_one_process, "one", 2, *mtp))
     assert "mtp_loss" in metrics(pipeline)[-1]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv", "dualpipev"])
-def test_two_stages_per_rank_with_mtp_train_as_one_process(tmp_path, schedule):
+def test_two_stages_per_rank_with_mtp_train_as_one_process(tmp_path, made_once, schedule):
     """In the V (zbv, dualpipev) the MTP depths sit on rank 0 with the embedding they look up,
     as DeepSeek placed them: both of rank 0's stages hold it, each for its own gradient."""
     mtp = ["model.n_mtp_layers=1"]
     pipeline = run_pipeline(tmp_path, "pp", f"dist.pp_schedule={schedule}", "dist.pp_stages_per_rank=2", *mtp)
-    assert_same_training(pipeline, run_one_process(tmp_path, "one", 4, *mtp))
-    assert metrics(pipeline)[-1]["mtp_loss"] == pytest.approx(metrics(tmp_path / "one")[-1]["mtp_loss"], abs=1e-4)
+    single = made_once(run_one_process, "one", 4, *mtp)
+    assert_same_training(pipeline, single)
+    assert metrics(pipeline)[-1]["mtp_loss"] == pytest.approx(metrics(single)[-1]["mtp_loss"], abs=1e-4)
 
 
 @pytest.mark.slow
-def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path):
+def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, made_once):
     """Saved with pp=2 at step 10, continued with pp=1: the pp=2 run's steps 11-20."""
-    pipeline = run_pipeline(tmp_path, "pp", "ckpt.every=10")
+    pipeline = made_once(run_pipeline, "pp", "ckpt.every=10")
     resumed = tmp_path / "resumed"
     shutil.copytree(pipeline, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000020")
@@ -182,7 +184,7 @@ SEQUENCE_BALANCE = ["model.aux_loss_alpha=0", "model.seq_aux_loss_alpha=0.01"]
     (["dist.dp_shard=2", "dist.ep=2"], {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "ep": 2}),
     (["dist.dp_replicate=2"], {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "ep": 1}),
 ], ids=["fsdp2_ep2", "replicas"])
-def test_a_pipeline_of_data_parallel_stages_trains_as_one_process(tmp_path, layout, mesh):
+def test_a_pipeline_of_data_parallel_stages_trains_as_one_process(tmp_path, made_once, layout, mesh):
     """pp=2 on 4 ranks, 1f1b with MTP, each stage's two ranks splitting the data: FSDP2 with
     the experts split over them (the MTP's embedding copy sharded too), or replicas (FSDP2's
     HSDP with one shard)."""
@@ -193,7 +195,7 @@ def test_a_pipeline_of_data_parallel_stages_trains_as_one_process(tmp_path, layo
     # --plan's figure for pipeline rank 0 is what rank 0 stores.
     planned = plan_figures(compose_config(*TINY, *model, "dist.pp=2", *layout, "dist.nproc_per_node=4"))
     assert planned["pipeline"]["ranks"][0]["memory"]["params"] == summary["param_bytes_per_rank"]
-    assert_same_training(pipeline, run_one_process(tmp_path, "one", 2, *model, data_shares=2), "seq_aux_loss")
+    assert_same_training(pipeline, made_once(run_one_process, "one", 2, *model, data_shares=2), "seq_aux_loss")
     assert (pipeline / "train.log").read_text().count("sample: ") == 1  # gathered from the stages
 
 
@@ -230,10 +232,10 @@ def test_a_nan_on_a_stage_without_the_loss_stops_every_rank_with_one_line(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_killed_stage_restarts_and_ends_bit_identical(tmp_path):
+def test_a_killed_stage_restarts_and_ends_bit_identical(tmp_path, made_once):
     """Rank 1 (the last stage) SIGKILLs itself after step 13; torchrun restarts both ranks,
     which resume from step 10 and end with the uninterrupted run's weights, bit for bit."""
-    whole = run_pipeline(tmp_path, "whole", "ckpt.every=10")
+    whole = made_once(run_pipeline, "pp", "ckpt.every=10")
     killed = tmp_path / "killed"
     result = torchrun("--nproc_per_node=2", "--max-restarts=1", "-m", "ciuic_train", *TINY, "train.max_steps=20",
                       "train.log_every=1", "dist.pp=2", "ckpt.every=10", "fault.kill_rank=1", "fault.at_step=13",
@@ -246,14 +248,14 @@ def test_a_killed_stage_restarts_and_ends_bit_identical(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_and_activation_checkpointing_run_in_the_stages(tmp_path):
+def test_bf16_and_activation_checkpointing_run_in_the_stages(tmp_path, made_once):
     """precision=bf16 with activation checkpointing: the stages run under autocast (the first
-    steps equal one process's bf16 steps, and differ from fp32's), and bf16's rounding then
-    keeps the curves within its noise."""
+    steps equal one process's bf16 steps, and differ from the fp32 pipeline's), and bf16's
+    rounding then keeps the curves within its noise."""
     both = ["precision=bf16", "activation_checkpointing=true"]
     pipeline = metrics(run_pipeline(tmp_path, "pp", *both))
     alone = metrics(run_one_process(tmp_path, "one", 2, *both))
-    fp32 = metrics(run_one_process(tmp_path, "fp32", 2))
+    fp32 = metrics(made_once(run_pipeline, "pp", "ckpt.every=10"))  # checkpoints change no loss
     assert [m["loss"] for m in pipeline[:2]] == pytest.approx([m["loss"] for m in alone[:2]], abs=1e-6)
     assert abs(pipeline[0]["loss"] - fp32[0]["loss"]) > 1e-5  # autocast acted
     assert [m["loss"] for m in pipeline] == pytest.approx([m["loss"] for m in alone], abs=3e-3)

@@ -18,7 +18,7 @@ import pytest
 from ciuic_train.cli.preflight import check_request
 from ciuic_train.config import DistConfig
 from ciuic_train.errors import UserError
-from conftest import run_cli
+from conftest import run_cli, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -135,8 +135,8 @@ def test_missing_slurm_extra_is_named(monkeypatch):
         check_request(["-m", "hydra/launcher=local", *TINY])
 
 
-def test_a_cancel_outranks_a_time_limit_warning():
-    """Ranks that saw different signals agree on one; SIGTERM (a cancel) must not become a requeue."""
+def test_a_cancel_outranks_a_time_limit_warning_in_one_process():
+    """SIGTERM (a cancel) must not become a requeue, whichever came first."""
     import torch
 
     from ciuic_train.distributed.process_group import Parallel
@@ -151,6 +151,22 @@ def test_a_cancel_outranks_a_time_limit_warning():
         os.kill(os.getpid(), signal.SIGUSR1)
         assert StopRequest.decide(single.sum(stop.votes())) == "SIGTERM"
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # restored
+
+
+@pytest.mark.slow
+def test_ranks_that_saw_different_signals_agree_on_one(tmp_path):
+    """3 gloo ranks (tests/signal_vote_rank.py), each sent its own signals: every rank
+    decides the same, from the votes summed over the group."""
+    scenarios = {  # what each rank saw -> what all decide
+        "a cancel on one rank outranks a warning on another": ([["SIGUSR1"], ["SIGTERM"], []], "SIGTERM"),
+        "one rank's warning stops them all": ([[], [], ["SIGUSR1"]], "SIGUSR1"),
+        "none": ([[], [], []], None),
+    }
+    result = torchrun("--nproc_per_node=3", str(Path(__file__).with_name("signal_vote_rank.py")), str(tmp_path),
+                      json.dumps([seen for seen, _ in scenarios.values()]), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = [decided for _, decided in scenarios.values()]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)] == [expected] * 3
 
 
 def test_rendezvous_port_follows_the_job(monkeypatch):

@@ -334,6 +334,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_parameter_names(t
     torch.testing.assert_close(grads, plain[1], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # inductor compiles C++ for most of a minute on 2 cores
 def test_compiled_blocks_match_eager(tmp_path, text_corpus):
     """torch.compile (inductor, C++ on CPU) of each block; about a minute of compiling on 2 cores."""
     eager = _first_step_grads(tiny_trainer(tmp_path / "a", text_corpus, "train.grad_clip=0"))

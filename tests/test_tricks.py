@@ -208,8 +208,11 @@ def test_constellation_init_modulates_xavier_columns_by_one_percent():
     ratio = model.lm_head.weight / plain.lm_head.weight
     expected = 1 + 0.01 * torch.sin(torch.linspace(0, 2 * math.pi, ratio.shape[1]))
     torch.testing.assert_close(ratio, expected.expand_as(ratio), rtol=1e-5, atol=1e-6)
+    # Unmodulated, the columns are Xavier-uniform: U(-b, b), b = sqrt(6 / (fan_in + fan_out)),
+    # whose standard deviation is b / sqrt(3), its extremes near b (tens of thousands of draws).
     bound = math.sqrt(6 / sum(plain.lm_head.weight.shape))
-    assert plain.lm_head.weight.abs().max() <= bound
+    assert 0.99 * bound < plain.lm_head.weight.abs().max() <= bound
+    assert plain.lm_head.weight.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.02)
 
 
 # --- time_folded_accum -------------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ciuic_train.distributed.grads import local_value
+from ciuic_train.model.eager import kept_eager
 from ciuic_train.model.moe import MoE
 
 
@@ -152,7 +153,7 @@ class ExpertDispatch:
         self.ep_size = ep_size
         self.overlap = overlap
 
-    @torch.compiler.disable  # a host sync (the split sizes) and collectives: a graph break anyway
+    @kept_eager  # a host sync (the split sizes) and collectives: a graph break anyway
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  local_kernel: Callable, tokens: torch.Tensor, shared: nn.Module | None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip

@@ -48,6 +48,7 @@ from ciuic_train.distributed.data_parallel import replicate_with_ddp, shard_with
 from ciuic_train.distributed.expert_parallel import split_experts
 from ciuic_train.distributed.materialize import materialize
 from ciuic_train.distributed.mesh import refuse_comm_hook
+from ciuic_train.model.eager import prepare_compile
 
 if TYPE_CHECKING:
     from ciuic_train.distributed.mesh import Mesh
@@ -81,6 +82,7 @@ def parallelize(
         for block in model.blocks():
             checkpoint_activations(block)
     if config.compile:
+        prepare_compile()
         for block in model.blocks():
             block.compile()
     if mesh.strategy == "ddp" and fsdp_roots is None:

@@ -69,10 +69,11 @@ class StepTimes:
         figures = self.parallel.all_reduce_sum_(figures).tolist()
         busy, data = figures[0::2], figures[1::2]
         slowest = max(range(world), key=busy.__getitem__)
-        self._watch(slowest, busy, data)
+        self.watch(slowest, busy, data)
         return {"step_s_min": min(busy), "step_s_max": busy[slowest], "slowest_rank": slowest, "data_s_max": max(data)}
 
-    def _watch(self, slowest: int, busy: list[float], data: list[float]) -> None:
+    def watch(self, slowest: int, busy: list[float], data: list[float]) -> None:
+        """The straggler rule on one logging step's figures of every rank (rank 0 warns)."""
         others = statistics.median(b for r, b in enumerate(busy) if r != slowest)
         straggling = self.factor > 0 and busy[slowest] > self.factor * others
         self._streak = self._streak + 1 if straggling and slowest == self._streak_rank else int(straggling)

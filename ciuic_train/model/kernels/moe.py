@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ciuic_train.model.common import compute_dtype, grouped_mm_supported, grouped_swiglu, swiglu_grouped_mm
+from ciuic_train.model.eager import kept_eager
 
 # Row multiple each expert's group is padded to in bf16 on CPU (see `pad_groups`).
 GROUP_ALIGN = 64
@@ -21,7 +22,7 @@ def routed_experts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2:
     return grouped_swiglu(x, counts, w13, w2)
 
 
-@torch.compiler.disable
+@kept_eager
 def grouped_swiglu_between_graphs(
     x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
