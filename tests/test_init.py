@@ -1,10 +1,12 @@
 """Initialization by rows: the same step-0 weights whatever the layout.
 
 In one process, a `locate` that hands out a run of rows stands in for a rank's shard; the
-slow tests build the trainer for real under torchrun (gloo) in five layouts and compare
-every gathered parameter bit for bit.
+slow tests build the trainer for real under torchrun (gloo) in six layouts (those of one
+world size one after the other, in one launch) and compare every gathered parameter bit
+for bit.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -132,15 +134,15 @@ LAYOUTS = {  # name: (ranks, mesh overrides)
 MODEL_KEYS = ("model.",)  # the overrides of a layout that change the model, not the mesh
 
 
-def step0_weights(tmp: Path, name: str, ranks: int, mesh: list[str]) -> dict:
-    out = tmp / f"{name}.pt"
-    args = [str(HERE / "step0_weights.py"), str(out), *OVERRIDES, *mesh]
+def step0_weights(out: Path, ranks: int, layouts: dict[str, list[str]]) -> None:
+    """Each layout's step-0 weights in OUT/<name>.pt, the layouts (all of `ranks` ranks)
+    built one after the other in one launch (tests/step0_weights.py)."""
+    args = [str(HERE / "step0_weights.py"), str(out), json.dumps(layouts), *OVERRIDES]
     if ranks == 1:
         result = subprocess.run([sys.executable, *args], cwd=HERE, capture_output=True, text=True, timeout=240)
     else:
         result = torchrun(f"--nproc_per_node={ranks}", *args, cwd=HERE)
     assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(out, weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -150,17 +152,28 @@ def one_process(tmp_path_factory):
 
     def get(model: list[str]) -> dict:
         if tuple(model) not in done:
-            done[tuple(model)] = step0_weights(tmp_path_factory.mktemp("init"), "one", 1, model)
+            out = tmp_path_factory.mktemp("init")
+            step0_weights(out, 1, {"one": model})
+            done[tuple(model)] = torch.load(out / "one.pt", weights_only=True)
         return done[tuple(model)]
 
     return get
 
 
+@pytest.fixture(scope="module")
+def layouts_built(tmp_path_factory) -> Path:
+    """Every layout's step-0 weights, in one launch per world size."""
+    out = tmp_path_factory.mktemp("layouts")
+    for ranks in sorted({ranks for ranks, _ in LAYOUTS.values()}):
+        step0_weights(out, ranks, {name: mesh for name, (r, mesh) in LAYOUTS.items() if r == ranks})
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_layout_starts_from_the_weights_of_one_process(one_process, tmp_path, layout):
-    ranks, mesh = LAYOUTS[layout]
-    got = step0_weights(tmp_path, layout, ranks, mesh)
+def test_every_layout_starts_from_the_weights_of_one_process(one_process, layouts_built, layout):
+    _, mesh = LAYOUTS[layout]
+    got = torch.load(layouts_built / f"{layout}.pt", weights_only=True)
     reference = one_process([o for o in mesh if o.startswith(MODEL_KEYS)])
     assert got["mesh"] != reference["mesh"]
     assert got["params"].keys() == reference["params"].keys()

@@ -144,8 +144,9 @@ def expert_parallel(workdir) -> Path:
 def assert_same_training(run_dir: Path, single: Path, tmp: Path) -> None:
     ours, reference = metrics(run_dir), metrics(single)
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
-    assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in reference], rel=1e-4)
-    assert [m["mtp_loss"] for m in ours] == pytest.approx([m["mtp_loss"] for m in reference], rel=1e-4)
+    # README and docs/distributed.md state these tolerances (measured: under 1e-6).
+    assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in reference], rel=0, abs=1e-5)
+    assert [m["mtp_loss"] for m in ours] == pytest.approx([m["mtp_loss"] for m in reference], rel=0, abs=1e-5)
     # The same validation windows for every layout (train.eval_windows), whatever the batch size.
     assert val_losses(ours) == pytest.approx(val_losses(reference), rel=1e-5) and len(val_losses(ours)) == 2
     # The global per-expert token counts drive the balancing bias and the imbalance figure.
