@@ -180,6 +180,16 @@ def test_rendezvous_port_follows_the_job(monkeypatch):
     assert len(ports) == 3 and all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
 
 
+def test_ft_under_a_submitit_launcher_takes_one_task_per_job_that_starts_the_groups(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    ft = ["-m", "hydra/launcher=slurm", "ft.enabled=true", *TINY]
+    with pytest.raises(UserError, match=r"set hydra.launcher.tasks_per_node=1, not 2"):
+        check_request([*ft, "hydra.launcher.tasks_per_node=2", "dist.nproc_per_node=2"])
+    with pytest.raises(UserError, match=r"ft.groups=2 does not divide dist.nproc_per_node=3"):
+        check_request([*ft, "dist.nproc_per_node=3"])
+    assert len(check_request([*ft, "dist.nproc_per_node=4"])) == 1  # two groups of two ranks in one task
+
+
 @pytest.mark.slow
 def test_local_launcher_trains_two_ranks_in_one_folder(tmp_path):
     """hydra/launcher=local: the Slurm launcher's path (one task per rank) without Slurm."""
@@ -234,6 +244,26 @@ def test_two_task_job_trains_one_run_with_world_size_two(slurm, tmp_path):
     # Both ranks checked the checksum against each other (the run fails otherwise), and
     # the two ways of starting the tasks train the same model.
     assert summary(run_dir)["param_checksum"] == launched["param_checksum"]
+
+
+@pytest.mark.slurm
+def test_a_slurm_job_of_ft_starts_its_replica_groups_in_its_one_task(slurm, tmp_path):
+    """`ft.enabled=true` through hydra/launcher=slurm: the job's task starts the lighthouse
+    and two groups of one rank on its node, which train together (both in every step's
+    average) and end with the same weights."""
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "-m", "hydra/launcher=slurm", "hydra.launcher.cpus_per_task=2", *TINY, "train.max_steps=10",
+        "train.log_every=5", "dist.nproc_per_node=2", "ft.enabled=true", "ft.groups=2", f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = sweep / "0"
+    first, second = summary(run), summary(run / "group_1")
+    assert first["replica_groups"] == 2 and (first["replica_group"], second["replica_group"]) == (0, 1)
+    assert first["steps"] == second["steps"] == 10 and first["param_checksum"] == second["param_checksum"]
+    participants = [json.loads(line)["participants"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert participants == [2, 2]
 
 
 @pytest.mark.slurm

@@ -35,7 +35,7 @@ from ciuic_train.distributed.mesh import expected_mesh, expected_world, refuse_c
 from ciuic_train.distributed.pipeline_split import check_pipeline_mesh
 from ciuic_train.errors import UserError
 from ciuic_train.launch import paths as launch
-from ciuic_train.launch.replica_groups import check_ft_launch
+from ciuic_train.launch.replica_groups import check_ft_launch, check_group_split
 from ciuic_train.tricks import seam_owner
 
 # Our launchers (conf/hydra/launcher/) and what each needs beyond Hydra itself.
@@ -89,12 +89,29 @@ def check_request(
             _check_gpus(job.config, path)
             if check_memory:
                 _check_memory(job.config, path)
-    if launcher and any(job.config.dist.nproc_per_node > 1 for job in checked):
-        raise UserError(
-            f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
-            "instead of dist.nproc_per_node=N"
-        )
+    if launcher:
+        _check_launcher_tasks(launcher, parsed, checked)
     return checked
+
+
+def _check_launcher_tasks(launcher: str, parsed: list[Override], checked: list[CheckedJob]) -> None:
+    """Under a submitit launcher each task is a rank, except with `ft.enabled=true`: there
+    the job's one task starts the replica groups on its node, as the CLI's launcher does
+    (`dist.nproc_per_node=N ft.groups=G`, the lighthouse in that task)."""
+    tasks = next((int(o.value()) for o in parsed if o.key_or_group == "hydra.launcher.tasks_per_node"), 1)
+    for job in checked:
+        if job.config.ft.enabled:
+            if tasks != 1:
+                raise UserError(
+                    f"ft.enabled=true under hydra/launcher={launcher}: the job's one task starts the replica "
+                    f"groups (dist.nproc_per_node=N ft.groups=G); set hydra.launcher.tasks_per_node=1, not {tasks}"
+                )
+            check_group_split(job.config)
+        elif job.config.dist.nproc_per_node > 1:
+            raise UserError(
+                f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
+                "instead of dist.nproc_per_node=N (or ft.enabled=true: one task starts the replica groups)"
+            )
 
 
 def _check_launcher(parsed: list[Override], multirun: bool) -> str | None:

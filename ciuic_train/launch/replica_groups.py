@@ -46,8 +46,10 @@ def check_ft_launch(config: Config, starts_workers: bool, srun_task: bool) -> No
     if not ft.enabled:
         return
     if srun_task:
-        raise UserError("ft.enabled=true under srun: each srun task is one rank of one world; start one "
-                        "ciuic-train per replica group (dist.nproc_per_node=N ft.group=G ft.lighthouse=URL)")
+        raise UserError("ft.enabled=true under srun with several tasks: each would be one rank of one world; "
+                        "run one task that starts the groups (srun -n 1 ciuic-train dist.nproc_per_node=N "
+                        "ft.enabled=true ft.groups=G), or one ciuic-train per replica group (dist.nproc_per_node=N "
+                        "ft.group=G ft.lighthouse=URL)")
     if starts_workers:
         check_group_split(config)
     elif not ft.lighthouse:
