@@ -154,7 +154,7 @@ class Parallel:
         if self.group_started and dist.is_initialized():
             if clean:
                 dist.barrier()  # waits for the slowest rank, within dist.timeout_s
-                time.sleep(0.2)
+            time.sleep(0.2)  # on every way out, a stopped run's too: the last collective may be draining
             exit_within(EXIT_GRACE_S)
             dist.destroy_process_group()
             self.group_started = False
