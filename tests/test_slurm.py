@@ -185,6 +185,8 @@ def test_ft_under_a_submitit_launcher_takes_one_task_per_job_that_starts_the_gro
     ft = ["-m", "hydra/launcher=slurm", "ft.enabled=true", *TINY]
     with pytest.raises(UserError, match=r"set hydra.launcher.tasks_per_node=1, not 2"):
         check_request([*ft, "hydra.launcher.tasks_per_node=2", "dist.nproc_per_node=2"])
+    with pytest.raises(UserError, match=r"set hydra.launcher.tasks_per_node=1, not 2"):  # each job of a sweep
+        check_request([*ft, "hydra.launcher.tasks_per_node=1,2", "dist.nproc_per_node=2"])
     with pytest.raises(UserError, match=r"ft.groups=2 does not divide dist.nproc_per_node=3"):
         check_request([*ft, "dist.nproc_per_node=3"])
     assert len(check_request([*ft, "dist.nproc_per_node=4"])) == 1  # two groups of two ranks in one task

@@ -49,6 +49,7 @@ class CheckedJob:
     config: Config
     run_dir: str  # hydra.run.dir as this process resolves it
     sweep_dir: str  # hydra.sweep.dir, likewise
+    tasks_per_node: int  # hydra.launcher.tasks_per_node, likewise (1 where the launcher has none)
 
 
 def check_request(
@@ -90,21 +91,21 @@ def check_request(
             if check_memory:
                 _check_memory(job.config, path)
     if launcher:
-        _check_launcher_tasks(launcher, parsed, checked)
+        _check_launcher_tasks(launcher, checked)
     return checked
 
 
-def _check_launcher_tasks(launcher: str, parsed: list[Override], checked: list[CheckedJob]) -> None:
+def _check_launcher_tasks(launcher: str, checked: list[CheckedJob]) -> None:
     """Under a submitit launcher each task is a rank, except with `ft.enabled=true`: there
     the job's one task starts the replica groups on its node, as the CLI's launcher does
     (`dist.nproc_per_node=N ft.groups=G`, the lighthouse in that task)."""
-    tasks = next((int(o.value()) for o in parsed if o.key_or_group == "hydra.launcher.tasks_per_node"), 1)
     for job in checked:
         if job.config.ft.enabled:
-            if tasks != 1:
+            if job.tasks_per_node != 1:
                 raise UserError(
                     f"ft.enabled=true under hydra/launcher={launcher}: the job's one task starts the replica "
-                    f"groups (dist.nproc_per_node=N ft.groups=G); set hydra.launcher.tasks_per_node=1, not {tasks}"
+                    f"groups (dist.nproc_per_node=N ft.groups=G); set hydra.launcher.tasks_per_node=1, "
+                    f"not {job.tasks_per_node}"
                 )
             check_group_split(job.config)
         elif job.config.dist.nproc_per_node > 1:
@@ -138,6 +139,7 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
     with as_user_errors():
         cfg = compose(overrides)
         run_dir, sweep_dir = str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
+        tasks_per_node = int(cfg.hydra.launcher.get("tasks_per_node") or 1)
         config = job_config(without_hydra(cfg), overrides)
     if not config_only and check_mesh:
         shape = expected_mesh(config.dist, config.model.n_routed_experts)
@@ -156,7 +158,7 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
             _check_resume(config, resumes_from)
         elif config.init_from:  # a run that will resume its own checkpoint does not read init_from
             _check_init_from(config)
-    return CheckedJob(config, run_dir, sweep_dir)
+    return CheckedJob(config, run_dir, sweep_dir, tasks_per_node)
 
 
 def _check_resume(config: Config, checkpoint: Path) -> None:
