@@ -13,14 +13,11 @@ from enum import Enum
 from typing import Any, Dict, List
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
-from ciuic_train.data.checks import validate_data
-from ciuic_train.errors import UserError
-from ciuic_train.ft.config import FtConfig, check_ft
+from ciuic_train.faults import FaultConfig
+from ciuic_train.ft.config import FtConfig
 from ciuic_train.model.config import ModelConfig
-from ciuic_train.train.trackers import check_loggers
-from ciuic_train.tricks import check_tricks, seam_owner
 
 
 class Device(Enum):
@@ -140,11 +137,11 @@ class DataConfig:
     chunk_mb: float = 32.0
     # Each document (a file of a text corpus) ends with the tokenizer's end-of-text id: bytes
     # reserve id 256 (model.vocab_size follows: 257), a BPE trains <|endoftext|> as id 0, a
-    # tokenizer.json has its own. false: documents end with a blank line, as before.
+    # tokenizer.json has its own. false: documents end with a blank line.
     eos: bool = False
     # Attention stays inside each document, as the corpus's document index says (text
     # corpora get one when tokenized; data=tokens: an .idx beside each .bin). false: attention
-    # runs across the documents a window holds, as before.
+    # runs across the documents a window holds.
     doc_mask: bool = False
     # With doc_mask: the positions RoPE rotates by restart at 0 at each document start.
     doc_positions: bool = False
@@ -224,7 +221,7 @@ class TrainConfig:
     spike_window: int = 100
     # Before anything is built, refuse a run whose weights, gradients and AdamW state (as
     # --plan computes them) exceed what a rank here can use, and warn when the estimated
-    # total does (ciuic_train/tools/memory_check.py); false skips the check.
+    # total does (ciuic_train/plan/memory_check.py); false skips the check.
     check_memory: bool = True
     # Warn when a rank's own time in a step (up to the step's agreement) exceeds this
     # factor x the other ranks' median on straggler_windows logging steps in a row
@@ -300,27 +297,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class FaultConfig:
-    """Fault injection for testing recovery: on the first attempt only, rank `kill_rank`
-    SIGKILLs itself right after optimizer step `at_step`; rank `nan_rank`'s loss is NaN
-    in optimizer step `nan_at_step` (every attempt), as a diverging rank's would be (on a
-    pipeline rank without the loss, its stage's output);
-    rank `oom_rank` caps its address space at what it maps before step `oom_at_step`
-    (every attempt), so that step's first allocation needing more fails in the allocator."""
-
-    kill_rank: int = -1
-    at_step: int = 0
-    nan_rank: int = -1
-    nan_at_step: int = 0
-    oom_rank: int = -1
-    oom_at_step: int = 0
-    # Rank `slow_rank` sleeps `slow_s` seconds in every step before the step's agreement,
-    # as a slower machine would take longer (rehearses the straggler warning).
-    slow_rank: int = -1
-    slow_s: float = 0.0
-
-
-@dataclass
 class ProfileConfig:
     """torch.profiler over a few training steps (ciuic_train/train/profiler.py): per cycle,
     `wait` steps untraced, `warmup` traced and dropped, `active` recorded; `repeat` cycles
@@ -392,109 +368,3 @@ class Config:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="ciuic_train_schema", node=Config)
-
-
-def to_config(cfg: DictConfig) -> Config:
-    """Turn a composed config into typed objects, refusing keys the schema does not know."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain.pop("hydra", None)
-    try:
-        checked = OmegaConf.merge(OmegaConf.structured(Config), plain)
-        config = OmegaConf.to_object(checked)
-    except ValueError as err:  # raised by a dataclass __post_init__ check
-        raise UserError(str(err)) from None
-    validate(config)
-    return config
-
-
-def _validate_profile(profile: ProfileConfig, max_steps: int) -> None:
-    for key in ("wait", "warmup", "repeat", "top"):
-        if getattr(profile, key) < 0:
-            raise UserError(f"profile.{key}={getattr(profile, key)} must be 0 or more")
-    if profile.active < 1:
-        raise UserError(f"profile.active={profile.active} must be at least 1")
-    cycle = profile.wait + profile.warmup + profile.active
-    if profile.enabled and cycle > max_steps:
-        raise UserError(
-            f"profile.wait+warmup+active={cycle} steps exceed train.max_steps={max_steps}: no trace would be "
-            "written; lower profile.wait or profile.active"
-        )
-
-
-def validate(config: Config) -> None:
-    """Cross-field checks that a schema cannot express."""
-    train = config.train
-    for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_windows", "log_every"):
-        if getattr(train, key) < 1:
-            raise UserError(f"train.{key}={getattr(train, key)} must be at least 1")
-    if train.warmup_steps < 0:
-        raise UserError(f"train.warmup_steps={train.warmup_steps} must be 0 or more")
-    if train.lr <= 0:
-        raise UserError(f"train.lr={train.lr} must be positive")
-    if train.max_skipped_steps < 1:
-        raise UserError(f"train.max_skipped_steps={train.max_skipped_steps} must be at least 1")
-    if train.spike_factor != 0 and train.spike_factor <= 1:
-        raise UserError(f"train.spike_factor={train.spike_factor} must be above 1, or 0 (off)")
-    if train.straggler_factor != 0 and train.straggler_factor <= 1:
-        raise UserError(f"train.straggler_factor={train.straggler_factor} must be above 1, or 0 (off)")
-    if train.straggler_windows < 1:
-        raise UserError(f"train.straggler_windows={train.straggler_windows} must be at least 1")
-    if train.spike_window < 1:
-        raise UserError(f"train.spike_window={train.spike_window} must be at least 1")
-    if train.grad_clip < 0:
-        raise UserError(f"train.grad_clip={train.grad_clip} must be 0 (off) or positive")
-    if train.mtp_loss_weight < 0 or (config.model.n_mtp_layers and train.mtp_loss_weight == 0):
-        raise UserError(
-            f"train.mtp_loss_weight={train.mtp_loss_weight} must be positive with "
-            f"model.n_mtp_layers={config.model.n_mtp_layers} (turn MTP off with model.n_mtp_layers=0)"
-        )
-    if train.seq_len <= config.model.n_mtp_layers:
-        raise UserError(f"train.seq_len={train.seq_len} must exceed model.n_mtp_layers={config.model.n_mtp_layers} "
-                        "(MTP depth k predicts k + 1 tokens ahead)")
-    if train.seq_len > config.model.max_seq_len:
-        raise UserError(f"train.seq_len={train.seq_len} exceeds model.max_seq_len={config.model.max_seq_len}")
-    _validate_profile(config.profile, train.max_steps)
-    validate_data(config.data, config.dist.pp, seam_owner(config.trick, "order_indices"))
-    if config.optim.name not in OPTIMIZERS:
-        raise UserError(f"optim.name={config.optim.name!r} is not an optimizer; choose one of {', '.join(OPTIMIZERS)}")
-    if not 0.0 <= config.optim.momentum < 1.0:
-        raise UserError(f"optim.momentum={config.optim.momentum} must be at least 0 and below 1")
-    if not 0.0 <= config.optim.min_lr_ratio <= 1.0:
-        raise UserError(f"optim.min_lr_ratio={config.optim.min_lr_ratio} must be between 0 and 1")
-    fractions = config.optim.step_fractions
-    if any(not 0.0 < f < 1.0 for f in fractions) or fractions != sorted(set(fractions)):
-        raise UserError(f"optim.step_fractions={fractions} must rise strictly, each between 0 and 1")
-    if not 0.0 < config.optim.step_factor <= 1.0:
-        raise UserError(f"optim.step_factor={config.optim.step_factor} must be above 0 and at most 1")
-    if not 0.0 < config.optim.decay_fraction <= 1.0:
-        raise UserError(f"optim.decay_fraction={config.optim.decay_fraction} must be above 0 and at most 1")
-    if not config.sample.prompt:
-        raise UserError("sample.prompt must not be empty")
-    if config.sample.max_new_tokens < 0:
-        raise UserError(f"sample.max_new_tokens={config.sample.max_new_tokens} must be 0 (no sample) or more")
-    if config.ckpt.every < 0:
-        raise UserError(f"ckpt.every={config.ckpt.every} must be 0 (final save only) or positive")
-    if config.ckpt.keep_last < 1:
-        raise UserError(f"ckpt.keep_last={config.ckpt.keep_last} must be at least 1")
-    if config.dist.nproc_per_node < 1:
-        raise UserError(f"dist.nproc_per_node={config.dist.nproc_per_node} must be at least 1")
-    if config.dist.ddp_bucket_mb < 0:
-        raise UserError(f"dist.ddp_bucket_mb={config.dist.ddp_bucket_mb} must be positive, or 0 to size the "
-                        "buckets from the model")
-    if config.dist.powersgd_rank < 1 or config.dist.powersgd_start_step < 2:
-        raise UserError(f"dist.powersgd_rank={config.dist.powersgd_rank} must be at least 1 and "
-                        f"dist.powersgd_start_step={config.dist.powersgd_start_step} at least 2")
-    if config.dist.fsdp_prefetch < 0:
-        raise UserError(f"dist.fsdp_prefetch={config.dist.fsdp_prefetch} must be 0 (FSDP's own order) or more")
-    if config.dist.nnodes < 1:
-        raise UserError(f"dist.nnodes={config.dist.nnodes} must be at least 1")
-    if config.dist.timeout_s < 1:
-        raise UserError(f"dist.timeout_s={config.dist.timeout_s} must be at least 1")
-    check_ft(config.ft, config.train.log_grad_consistency, config.model.n_layers)
-    check_tricks(config.trick)
-    check_loggers(config.logger)
-    from ciuic_train.distributed.pipeline_split import check_pipeline  # the package needs this module first
-
-    check_pipeline(config)
-    if config.sample.temperature <= 0:
-        raise UserError(f"sample.temperature={config.sample.temperature} must be positive")

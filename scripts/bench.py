@@ -40,11 +40,12 @@ from hydra import compose, initialize_config_module
 from rich.console import Console
 from rich.table import Table
 
-from ciuic_train.config import Config, Precision, register_configs, to_config
+from ciuic_train.config import Config, Precision, register_configs
+from ciuic_train.checks import to_config
 from ciuic_train.model import Transformer
 from ciuic_train.model.counting import training_flops_per_token
 from ciuic_train.model.kernels import gemm_choice
-from ciuic_train.train.optim import build_optimizer
+from ciuic_train.step.optim import build_optimizer
 from ciuic_train.train.trainer import Trainer
 
 MATMUL_SIZES = (1024, 2048)

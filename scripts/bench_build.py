@@ -32,7 +32,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from hydra import compose, initialize_config_module
 
-    from ciuic_train.config import register_configs, to_config
+    from ciuic_train.config import register_configs
+    from ciuic_train.checks import to_config
     from ciuic_train.distributed.materialize import local_rows
     from ciuic_train.distributed.parallelize import parallelize
     from ciuic_train.distributed.process_group import Parallel

@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_module
 from rich.console import Console
 from rich.table import Table
 
-from ciuic_train.config import register_configs, to_config
+from ciuic_train.config import register_configs
+from ciuic_train.checks import to_config
 from ciuic_train.train.trainer import Trainer
 
 

@@ -1,8 +1,8 @@
 """Benchmark pipeline parallelism on 2 CPU ranks: step time of `dist.pp=2` under each schedule
 against DDP and FSDP at the same global batch, and the measured bubble against the schedule's.
 
-    python scripts/bench_dist.py --pp [--model small] [--batch-size 8] [--pp-steps 12] [--json OUT]
-    python scripts/bench_dist.py --pp --netns [--rates 0,1000,300]     # one rank per emulated host (root)
+    python scripts/bench_pipeline.py [--model small] [--batch-size 8] [--pp-steps 12] [--json OUT]
+    python scripts/bench_pipeline.py --netns [--rates 0,1000,300]     # one rank per emulated host (root)
 
 One pair of workers (this file, `--pp-worker`, under torchrun: gloo, one process per rank,
 cores / 2 threads each) builds a Trainer per layout from the same seed, in the same
@@ -19,7 +19,7 @@ same windows. The measured bubble of a pipeline rank is 1 - (time in its stages'
 backward computations) / (time in the schedule's step), both read in the worker:
 torch's `PipelineStage` forward/backward entry points are wrapped with a timer. It counts
 waiting on the other rank and the point-to-point transfers as idle, as a bubble is; the
-schedule's own bubble (`ciuic_train.tools.plan_pipeline.bubble_fraction`) assumes equal
+schedule's own bubble (`ciuic_train.plan.pipeline.bubble_fraction`) assumes equal
 stages and free transfers.
 
 `--netns`: the same workers, rank 0 on emulated host 0 and rank 1 on host 1
@@ -51,7 +51,8 @@ from hydra import compose, initialize_config_module
 from rich.table import Table
 
 from bench import results_console
-from ciuic_train.config import register_configs, to_config
+from ciuic_train.config import register_configs
+from ciuic_train.checks import to_config
 from ciuic_train.distributed.pipeline_split import ONE_STAGE_PER_RANK
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.train.trainer import Trainer
@@ -175,7 +176,7 @@ def run_workers(args: argparse.Namespace, layouts: list[str], work: Path, tag: s
 def summarize(raw: dict) -> dict[str, Any]:
     """Median step time per layout (the slower rank's step: both wait for each other) and,
     for the pipelines, the measured bubble per rank and the schedule's."""
-    from ciuic_train.tools.plan_pipeline import bubble_fraction, schedule_order
+    from ciuic_train.plan.pipeline import bubble_fraction, schedule_order
 
     losses = raw["losses"]
     first = {name: values[0] for name, values in losses.items()}

@@ -66,7 +66,7 @@ MUTATIONS = (
              "self._in_flight.start(); self._in_flight.join()  # mutant: the save waits for its own write",
              ("tests/test_checkpoint.py::test_an_async_save_is_written_while_steps_go_on_and_the_next_save_waits_for_it",)),
     Mutation("oom_one_line", "running out of memory is reported as one clear line, not a traceback",
-             "ciuic_train/tools/memory_check.py", "raise RankFailed(self._message(what, err)) from None",
+             "ciuic_train/plan/memory_check.py", "raise RankFailed(self._message(what, err)) from None",
              "raise  # mutant: the allocator's error goes on as it is",
              ("tests/test_memory_check.py::test_out_of_memory_in_a_step_is_one_line_and_the_checkpoint_before_it_resumes",)),
 )

@@ -12,7 +12,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from ciuic_train.config import Config, register_configs, to_config
+from ciuic_train.config import Config, register_configs
+from ciuic_train.checks import to_config
 
 register_configs()
 

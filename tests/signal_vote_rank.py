@@ -15,7 +15,7 @@ import torch
 
 from ciuic_train.config import DistConfig
 from ciuic_train.distributed.process_group import Parallel
-from ciuic_train.train.loop import StopRequest
+from ciuic_train.train.stop_request import StopRequest
 
 
 def main(out: str, scenarios: str) -> None:

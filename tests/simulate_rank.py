@@ -16,7 +16,7 @@ from conftest import compose_config
 from ciuic_train.distributed.materialize import local_rows
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.model.init import ParameterInit
-from ciuic_train.tools.simulate import build_rank, measure_step
+from ciuic_train.plan.simulate import build_rank, measure_step
 
 
 def main(out: str, *overrides: str) -> None:

@@ -289,3 +289,12 @@ def test_tokenizing_reports_progress_in_a_log_and_on_a_terminal(tmp_path, monkey
     with caplog.at_level("INFO", logger="ciuic_train"):
         load_tokens(DataConfig(name="text", path=str(corpus), cache_dir=str(tmp_path / "cache2")))
     assert not [r for r in caplog.records if "tokenizing 3 files" in r.getMessage()]
+
+
+def test_masking_a_batchs_targets_leaves_its_inputs_alone():
+    """A rank with no validation window left evaluates filler rows whose targets it masks
+    (train.eval_windows=1 on 2 ranks): their inputs must stay token ids."""
+    tokens = np.arange(100, dtype=np.uint16)
+    inputs, targets = get_batch(tokens, torch.tensor([0, 2]), seq_len=8)
+    targets[1:] = -100
+    assert inputs.tolist() == [list(range(0, 8)), list(range(16, 24))]

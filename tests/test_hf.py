@@ -17,13 +17,13 @@ from hydra import compose, initialize_config_module
 from safetensors.torch import load_file, save_file
 
 from conftest import torchrun, write_text_corpus
-from ciuic_train.checkpoint import export
+from ciuic_train.tools import export
 from ciuic_train.cli import main as cli
 from ciuic_train.cli.compose import _model_from_init_from
-from ciuic_train.config import to_config
+from ciuic_train.checks import to_config
 from ciuic_train.data.sampler import WindowSampler
 from ciuic_train.errors import UserError
-from ciuic_train.checkpoint.export import parse_size, write_hf_folder
+from ciuic_train.tools.export import parse_size, write_hf_folder
 from ciuic_train.checkpoint.hf_config import config_json, model_fields
 from ciuic_train.checkpoint.hf_weights import INDEX_FILE, check_init_from, hf_name, load_hf_weights
 from ciuic_train.checkpoint.safetensors_rows import TensorFile

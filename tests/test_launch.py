@@ -10,7 +10,7 @@ import os
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from ciuic_train.launch import paths as launch
+from ciuic_train.launch import modes as launch
 from ciuic_train.cli.preflight import check_request
 from ciuic_train.errors import UserError
 from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task

@@ -1,4 +1,6 @@
-"""The package's shape: no import cycle, modules a reader can hold, `model/` standalone.
+"""The package's shape: imports that only point down the layers docs/architecture.md
+states, no import cycle, every module on that page, modules a reader can hold, `model/`
+standalone.
 
 Every import counts, the ones inside functions too: an import made late to break a cycle
 is still a cycle for the reader, who must know both modules to understand either.
@@ -7,11 +9,13 @@ is still a cycle for the reader, who must know both modules to understand either
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ciuic_train"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 MAX_MODULE_LINES = 500
 MAX_MODEL_FILE_LINES = 350
 
@@ -106,3 +110,102 @@ def test_module_size(name: str):
     lines = len(path.read_text().splitlines())
     limit = MAX_MODEL_FILE_LINES if name.startswith("ciuic_train.model") else MAX_MODULE_LINES
     assert lines <= limit, f"{path.relative_to(PACKAGE.parent)}: {lines} lines, at most {limit}"
+
+
+def stated_layers(text: str) -> list[tuple[str, list[str]]]:
+    """The "Layers" table of docs/architecture.md, top layer first: (name, entries), an
+    entry a folder (`train/`) or a file (`model/config.py`) under ciuic_train/."""
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1].startswith("`"):
+            layers.append((cells[0], re.findall(r"`([^`]+)`", cells[1])))
+    return layers
+
+
+def layer_of(name: str, layers: list[tuple[str, list[str]]]) -> int | None:
+    """The index (0 = top) of the most specific entry that names module `name`."""
+    path = name.replace(".", "/")
+    best, depth = None, -1
+    for index, (_, entries) in enumerate(layers):
+        for entry in entries:
+            names_it = (path + ".py" == "ciuic_train/" + entry or path == "ciuic_train/" + entry.removesuffix(".py")
+                        or (entry.endswith("/") and (path + "/").startswith("ciuic_train/" + entry)))
+            if names_it and len(entry) > depth:
+                best, depth = index, len(entry)
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[tuple[str, list[str]]]) -> list[str]:
+    found = []
+    for name, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if layer_of(dep, layers) < layer_of(name, layers):
+                found.append(f"{name} ({layers[layer_of(name, layers)][0]}) imports {dep} "
+                             f"({layers[layer_of(dep, layers)][0]})")
+    return found
+
+
+def test_the_layer_rule_catches_an_import_running_up():
+    layers = [("top", ["cli/"]), ("middle", ["train/"]), ("bottom", ["model/", "errors.py"]), ("base", ["model/config.py"])]
+    assert layer_of("ciuic_train.model.config", layers) == 3  # the most specific entry wins
+    assert layer_of("ciuic_train.model.moe", layers) == 2
+    assert layer_of("ciuic_train.cli", layers) == 0  # a package's __init__
+    assert upward_imports({"ciuic_train.train.trainer": {"ciuic_train.errors"}}, layers) == []
+    assert upward_imports({"ciuic_train.model.config": {"ciuic_train.model.moe"}}, layers) == [
+        "ciuic_train.model.config (base) imports ciuic_train.model.moe (bottom)"]
+
+
+def test_every_module_has_a_stated_layer():
+    layers = stated_layers(ARCHITECTURE.read_text())
+    assert [name for name, _ in layers][:1] == ["commands"] and len(layers) > 5, layers
+    unplaced = [name for name in modules() if name != "ciuic_train" and layer_of(name, layers) is None]
+    assert not unplaced, f"modules in no layer of docs/architecture.md: {unplaced}"
+
+
+def test_every_import_points_down_the_layers():
+    found = upward_imports(import_graph(), stated_layers(ARCHITECTURE.read_text()))
+    assert not found, "imports that run back up the layers (docs/architecture.md):\n" + "\n".join(found)
+
+
+def documented_modules(text: str) -> set[str]:
+    """The modules the "Modules" section's tables name: `x.py` rows under a "`pkg/`:" line
+    (or "Top level:"), as paths under ciuic_train/."""
+    section = text.split("## Modules", 1)[1].split("\n## ", 1)[0]
+    found, package = set(), None
+    for line in section.splitlines():
+        if line.startswith("Top level:"):
+            package = ""
+        elif heading := re.match(r"^`([a-z_/]+/)`:", line):
+            package = heading.group(1)
+        elif package is not None and (row := re.match(r"^\| `([a-z_]+\.py)` \|", line)):
+            found.add(package + row.group(1))
+    return found
+
+
+def test_architecture_names_every_module_and_none_that_is_gone():
+    in_code = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if path.name != "__init__.py"}
+    in_docs = documented_modules(ARCHITECTURE.read_text())
+    assert in_code - in_docs == set(), f"modules docs/architecture.md does not name: {sorted(in_code - in_docs)}"
+    assert in_docs - in_code == set(), f"docs/architecture.md names modules that are gone: {sorted(in_docs - in_code)}"
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages one by one: a new subpackage left out of it imports
+    from the source tree and fails in an installed copy."""
+    listed = set(re.findall(r'"(ciuic_train(?:\.[a-z_]+)*)"', (PACKAGE.parent / "pyproject.toml").read_text()))
+    packages = {module_name(path) for path in PACKAGE.rglob("__init__.py")}
+    assert packages - listed == set(), sorted(packages - listed)
+
+
+def test_only_the_layout_step_reads_dist_pp():
+    """One layout step: the whole model or a pipeline is chosen in step/layout.py; the
+    trainer and the step's other modules take the layout it built."""
+    readers = []
+    for path in [*(PACKAGE / "train").glob("*.py"), *(PACKAGE / "step").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "pp" and \
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "dist":
+                readers.append(str(path.relative_to(PACKAGE)))
+    assert sorted(set(readers)) == ["step/layout.py"], readers

@@ -11,11 +11,11 @@ import pytest
 from ciuic_train.cli.main import main
 from ciuic_train.cli.preflight import MEMORY_CHECKED_BY, check_request
 from ciuic_train.errors import RankFailed, UserError
-from ciuic_train.launch import paths as launch
-from ciuic_train.tools import memory_limits
-from ciuic_train.tools.memory_check import OutOfMemoryGuard, as_launched, check_memory
-from ciuic_train.tools.memory_limits import Room, cgroup_memory_left, usable_bytes_per_rank
-from ciuic_train.tools.plan import plan_figures
+from ciuic_train.launch import modes as launch
+from ciuic_train import memory_limits
+from ciuic_train.plan.memory_check import OutOfMemoryGuard, as_launched, check_memory
+from ciuic_train.memory_limits import Room, cgroup_memory_left, usable_bytes_per_rank
+from ciuic_train.plan.figures import plan_figures
 from conftest import compose_config
 from test_checkpoint import TINY, corpus, make_trainer
 

@@ -11,9 +11,10 @@ from conftest import compose_config, run_cli, torchrun
 from ciuic_train.checkpoint.checkpointer import load_model
 from ciuic_train.config import DistConfig
 from ciuic_train.distributed.mesh import MeshShape, resolve_mesh
-from ciuic_train.distributed.pipeline_split import balanced_split, check_pipeline_mesh, stages_of_rank
+from ciuic_train.distributed.checks import check_pipeline_mesh
+from ciuic_train.distributed.pipeline_split import balanced_split, stages_of_rank
 from ciuic_train.errors import UserError
-from ciuic_train.tools.plan import plan_figures
+from ciuic_train.plan.figures import plan_figures
 
 # Four layers (one dense, three MoE), so two ranks can hold two stages each; a balance
 # loss on, so its gradient must cross stages; 8 windows per batch.
@@ -195,7 +196,15 @@ def test_a_pipeline_of_data_parallel_stages_trains_as_one_process(tmp_path, made
     # --plan's figure for pipeline rank 0 is what rank 0 stores.
     planned = plan_figures(compose_config(*TINY, *model, "dist.pp=2", *layout, "dist.nproc_per_node=4"))
     assert planned["pipeline"]["ranks"][0]["memory"]["params"] == summary["param_bytes_per_rank"]
-    assert_same_training(pipeline, made_once(run_one_process, "one", 2, *model, data_shares=2), "seq_aux_loss")
+    # ... and its tokens per step and micro-batches are what the run trains (the stages share their data).
+    assert summary["tokens_per_step"] == planned["tokens_per_step"] == 2 * 8 * 64
+    micro = planned["pipeline"]
+    assert f"({micro['microbatches']} micro-batches of {micro['micro_batch_size']})" in (pipeline / "train.log").read_text()
+    one = made_once(run_one_process, "one", 2, *model, data_shares=2)
+    assert_same_training(pipeline, one, "seq_aux_loss")
+    # The one process reads the same tokens per step, in 4 micro-batches of 4 windows.
+    assert json.loads((one / "summary.json").read_text())["tokens_per_step"] == summary["tokens_per_step"] == \
+        plan_figures(compose_config(*TINY, *model, "train.batch_size=4", "train.grad_accum=4"))["tokens_per_step"]
     assert (pipeline / "train.log").read_text().count("sample: ") == 1  # gathered from the stages
 
 

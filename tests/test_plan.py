@@ -14,11 +14,11 @@ import torch
 
 from hydra import compose, initialize_config_dir
 
-from ciuic_train.config import to_config
+from ciuic_train.checks import to_config
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters
-from ciuic_train.tools.plan import plan_figures
-from ciuic_train.tools.plan_memory import GIB
+from ciuic_train.plan.figures import plan_figures
+from ciuic_train.plan.memory import GIB
 from conftest import peak_resident_growth, run_cli, torchrun, write_text_corpus
 
 TINY = ["model=tiny", "train.seq_len=64", "train.eval_windows=16", "sample.max_new_tokens=0", "progress=plain", "train.max_steps=2"]
@@ -70,6 +70,7 @@ def test_plan_parameter_bytes_equal_what_rank_0_stores(tmp_path, corpus, nproc, 
     assert summary["mesh"] == {key: plan["mesh"][key] for key in ("dp_replicate", "dp_shard", "ep")}
     assert summary["strategy"] == plan["mesh"]["strategy"]
     assert summary["param_bytes_per_rank"] == plan["memory"]["params"]
+    assert summary["tokens_per_step"] == plan["tokens_per_step"] == 8 * 64 * nproc  # TINY's batch x seq_len
     if plan["mesh"]["strategy"] == "ddp":
         assert sum(summary["param_bytes_per_rank"].values()) == 4 * summary["n_params"]
 

@@ -1,11 +1,11 @@
-"""`--plan` for pipelines (ciuic_train/tools/plan_pipeline.py): the schedule's order, its
+"""`--plan` for pipelines (ciuic_train/plan/pipeline.py): the schedule's order, its
 bubble and in-flight micro-batches against the textbook formulas, each rank's parameters
 and point-to-point bytes, DeepSeek-V3's own layout."""
 import pytest
 
-from ciuic_train.tools.plan import plan_figures
-from ciuic_train.tools.plan_memory import GIB
-from ciuic_train.tools.plan_pipeline import bubble_fraction, peak_in_flight, schedule_order
+from ciuic_train.plan.figures import plan_figures
+from ciuic_train.plan.memory import GIB
+from ciuic_train.plan.pipeline import bubble_fraction, peak_in_flight, schedule_order
 from test_plan import V3_ON_2048, compose_config
 
 

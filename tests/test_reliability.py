@@ -17,7 +17,7 @@ import torch
 from ciuic_train.launch import runlock
 from ciuic_train.config import TrainConfig
 from ciuic_train.errors import RunFailed, UserError
-from ciuic_train.train.loop import LossWatch, StepCheck
+from ciuic_train.train.loss_watch import LossWatch, StepCheck
 from conftest import run_cli
 from test_checkpoint import TINY, corpus, make_trainer
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli, torchrun, write_text_corpus
-from ciuic_train.checkpoint.export import export_model
+from conftest import compose_config, run_cli, torchrun, write_text_corpus
+from ciuic_train.tools.export import export_model
 from ciuic_train.checkpoint.resume import check_resumable
 from ciuic_train.config import DistConfig, Strategy
 from ciuic_train.errors import UserError
@@ -55,11 +55,21 @@ def test_the_mesh_follows_the_config(overrides, world, local, expected):
     ({"strategy": Strategy.ddp, "dp_shard": 2}, 4, "dist.strategy=ddp replicates only"),
     ({"strategy": Strategy.fsdp, "dp_replicate": 2}, 4, "dist.strategy=fsdp shards only"),
     ({"strategy": Strategy.none}, 2, "dist.strategy=none with world size 2"),
-    ({"dp_shard": 0}, 2, "dist.dp_shard=0 must be a positive number of ranks, or -1 for the rest"),
 ])
 def test_a_wrong_mesh_is_one_line_naming_the_numbers(overrides, world, message):
     with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         resolve_mesh(DistConfig(**overrides), world, world, n_routed_experts=4)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dist.dp_shard=0", "dist.dp_shard=0 must be a positive number of ranks, or -1 for the rest"),
+    ("dist.ep=-2", "dist.ep=-2 must be a positive number of ranks, or -1 for the rest"),
+    ("dist.pp=0", "dist.pp=0 must be at least 1 (1: no pipeline)"),
+])
+def test_a_size_no_world_could_take_is_refused_with_the_config(override, message):
+    """`check_dist` holds the rules that need no world size; `resolve_mesh` only the arithmetic."""
+    with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        compose_config("model=tiny", override)
 
 
 def test_the_cli_refuses_a_wrong_mesh_before_anything_starts(tmp_path):

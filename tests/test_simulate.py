@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from ciuic_train.errors import UserError
-from ciuic_train.tools.plan import plan_figures
-from ciuic_train.tools.simulate import simulate, simulated_rank_figures, simulated_rows
+from ciuic_train.plan.figures import plan_figures
+from ciuic_train.plan.simulate import simulate, simulated_rank_figures, simulated_rows
 from conftest import peak_resident_growth, run_cli, torchrun
 from test_plan import compose_config
 

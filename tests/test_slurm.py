@@ -140,7 +140,7 @@ def test_a_cancel_outranks_a_time_limit_warning_in_one_process():
     import torch
 
     from ciuic_train.distributed.process_group import Parallel
-    from ciuic_train.train.loop import StopRequest
+    from ciuic_train.train.stop_request import StopRequest
 
     single = Parallel(DistConfig(), torch.device("cpu"), n_routed_experts=4)
     with StopRequest() as stop:

@@ -15,7 +15,7 @@ from ciuic_train.cli.preflight import check_request
 from ciuic_train.config import DataConfig
 from ciuic_train.data.corpus import load_tokens
 from ciuic_train.errors import UserError
-from ciuic_train.checkpoint.export import main as export_main
+from ciuic_train.tools.export import main as export_main
 from ciuic_train.data.tokenizer import run_tokenizer_file, split_text, token_dtype
 from ciuic_train.train.trainer import Trainer
 from conftest import compose_config

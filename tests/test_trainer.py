@@ -12,9 +12,9 @@ from ciuic_train.config import Device, Precision
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
 from ciuic_train.config import DecayShape, Schedule
-from ciuic_train.train.loop import Throughput
+from ciuic_train.train.throughput import Throughput
 from ciuic_train.train.metrics import format_step
-from ciuic_train.train.optim import LrSchedule, build_optimizer
+from ciuic_train.step.optim import LrSchedule, build_optimizer
 from ciuic_train.distributed.params import param_checksum
 from ciuic_train.train.trainer import Trainer, resolve_device
 from ciuic_train.tricks import Trick, TrickContext, TrickSet, build_tricks, check_tricks
@@ -124,7 +124,7 @@ def test_mtp_loss_is_logged_beside_the_next_token_loss(tmp_path, text_corpus):
     figures = trainer.train_step()
     assert figures["loss"] == plain[0]  # the same first weights, the same next-token loss
     assert 0 < figures["mtp_loss"] < 2 * figures["loss"]
-    record = trainer.report.metrics_line(trainer.step, figures, [figures["loss"]], Throughput(1), None, False)
+    record = trainer.record.metrics_line(trainer.step, figures, [figures["loss"]], Throughput(1), None, False)
     assert record["mtp_loss"] == figures["mtp_loss"]
     assert f"mtp_loss {figures['mtp_loss']:.4f}" in format_step(record)  # the progress line shows it
 
@@ -276,7 +276,7 @@ def test_a_step_that_logs_nothing_waits_for_the_device_once(tmp_path, text_corpu
         monkeypatch.setattr(torch.Tensor, name, spy)
     figures = trainer.train_step()
     monkeypatch.undo()
-    assert len(reads) == 1 and reads[0].startswith("loop.py:") and reads[0].endswith(" tolist"), reads
+    assert len(reads) == 1 and reads[0].startswith("loss_watch.py:") and reads[0].endswith(" tolist"), reads
     assert figures["applied"] and math.isfinite(figures["loss"]) and math.isfinite(figures["grad_norm"])
     if "model.n_mtp_layers=1" in overrides:
         assert {"mtp_loss", "aux_loss"} <= set(figures) and all(isinstance(figures[k], float) for k in ("mtp_loss", "aux_loss"))
@@ -380,7 +380,7 @@ def test_more_local_workers_than_gpus_is_refused_before_any_starts(monkeypatch, 
     """`ciuic-train dist.nproc_per_node=2` on a node with one GPU: one line from the
     launcher, before a worker starts (CUDA pretended), for device=cuda and auto alike."""
     from ciuic_train.cli.preflight import check_request
-    from ciuic_train.launch import paths as launch
+    from ciuic_train.launch import modes as launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

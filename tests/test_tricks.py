@@ -15,7 +15,7 @@ from ciuic_train.data.sampler import WindowSampler
 from ciuic_train.errors import UserError
 from ciuic_train.model import Transformer
 from ciuic_train.model.init import ParameterInit
-from ciuic_train.train.optim import LrSchedule
+from ciuic_train.step.optim import LrSchedule
 from ciuic_train.distributed.params import param_checksum
 from ciuic_train.train.trainer import Trainer
 from ciuic_train.tricks import CommHook, check_tricks, registry

@@ -3,7 +3,7 @@
 Moving weights between `ciuic_train.model.Transformer` and transformers'
 DeepseekV3ForCausalLM is renaming, plus stacking for published checkpoints that store
 each routed expert apart. `hf_name` is our parameter -> theirs and `exported_names` every
-tensor an export writes (`checkpoint/export.py` writes them); `load_hf_weights` reads
+tensor an export writes (`tools/export.py` writes them); `load_hf_weights` reads
 `init_from=DIR` into a freshly built model, and `check_init_from` checks names and shapes
 first (the CLI calls it before a run folder exists). The folder's config.json is
 `hf_config.py`'s.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ciuic_train.checkpoint.hf_config import read_config_json, topk_method
 from ciuic_train.errors import UserError
-from ciuic_train.launch.paths import launcher_rank
+from ciuic_train.environment import launcher_rank
 from ciuic_train.model.config import ModelConfig
 from ciuic_train.progress import WorkProgress
 

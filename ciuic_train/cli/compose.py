@@ -15,7 +15,8 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ciuic_train.config import Config, register_configs, to_config
+from ciuic_train.config import Config, register_configs
+from ciuic_train.checks import to_config
 
 CONFIG_MODULE = "ciuic_train.conf"
 CONFIG_NAME = "config"

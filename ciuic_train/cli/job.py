@@ -1,7 +1,7 @@
 """What runs inside Hydra's job: one training run in its run (or sweep job's) folder.
 
 `hydra_job` is the function @hydra.main calls. It holds the folder's lock, lets the
-launch path start worker processes (`ciuic_train.launch.paths`) or trains in this one,
+launch path start worker processes (`ciuic_train.launch.modes`) or trains in this one,
 and turns every way a run can end into one line and an exit status: 2 for a mistake
 found only once the job started (its fresh folder removed again), 1 for lost workers or
 peers, RUN_FAILED_STATUS for a run that stopped itself (diverged, or cannot save).
@@ -29,7 +29,7 @@ from ciuic_train.cli.flags import PROG
 from ciuic_train.cli.messages import fail, is_rank_0, print_error
 from ciuic_train.config import Config
 from ciuic_train.errors import RUN_FAILED_STATUS, RankFailed, RunFailed, UserError
-from ciuic_train.launch import paths as launch, runlock
+from ciuic_train.launch import modes as launch, runlock
 from ciuic_train.launch.slurm import end_stopped_task, in_slurm_task
 
 log = logging.getLogger("ciuic_train")

@@ -4,7 +4,7 @@ Before Hydra runs, every job the command line describes is composed and checked
 (`cli.preflight`); the first mistake is printed as one line and the process exits with
 status 2, writing nothing. Then the folder the run (or sweep) will write is locked and
 Hydra runs the job (`cli.job`). How this process was started, and what that asks of it,
-is `ciuic_train.launch.paths`'s.
+is `ciuic_train.launch.modes`'s.
 
 Importing torch takes longer than everything else a command that only prints does, so
 `--help`, `--cfg` and `--list-tricks` never import it (tests/test_cli.py checks).
@@ -26,7 +26,7 @@ from ciuic_train.cli.job import hydra_job
 from ciuic_train.cli.messages import fail, is_rank_0
 from ciuic_train.cli.preflight import CheckedJob, check_request
 from ciuic_train.errors import UserError
-from ciuic_train.launch import paths as launch, runlock
+from ciuic_train.launch import modes as launch, runlock
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,7 +68,7 @@ def _run_command(argv: list[str], args: argparse.Namespace) -> None:
             argv += path.overrides_before_check(argv)
             jobs = check_request(argv, path, check_memory=not plan)
             if plan:
-                from ciuic_train.tools.plan_tables import print_plan
+                from ciuic_train.plan.tables import print_plan
 
                 for job in jobs:
                     print_plan(job.config, simulate=simulate)

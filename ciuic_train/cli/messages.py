@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ciuic_train.cli.flags import PROG
 from ciuic_train.config import Config
 from ciuic_train.errors import UserError, first_line
-from ciuic_train.launch.paths import launcher_rank
+from ciuic_train.environment import launcher_rank
 
 
 def fail(message: str, status: int = 2) -> None:

@@ -5,7 +5,7 @@ after it has created a run folder. So before Hydra runs, `check_request` compose
 job (one, or each point of a `-m` sweep) and checks what can be checked without
 starting it: the schema, the launcher, the mesh the world size resolves to, the corpus,
 the checkpoint a resume continues and the weights `init_from` loads, and whether the
-run fits the memory a rank has here (`tools/memory_check.py`). The first mistake is a
+run fits the memory a rank has here (`plan/memory_check.py`). The first mistake is a
 `UserError`, which `cli.main` prints as one line before anything is written.
 
 The memory check runs in the process that is first to run a job here: the one a user
@@ -32,9 +32,9 @@ from ciuic_train.cli.sweeps import job_overrides, parse_overrides
 from ciuic_train.config import Config
 from ciuic_train.distributed.compression import refuse_compression
 from ciuic_train.distributed.mesh import expected_mesh, expected_world, refuse_comm_hook
-from ciuic_train.distributed.pipeline_split import check_pipeline_mesh
+from ciuic_train.distributed.checks import check_pipeline_mesh
 from ciuic_train.errors import UserError
-from ciuic_train.launch import paths as launch
+from ciuic_train.launch import modes as launch
 from ciuic_train.launch.replica_groups import check_ft_launch, check_group_split
 from ciuic_train.tricks import seam_owner
 
@@ -181,7 +181,7 @@ def _check_init_from(config: Config) -> None:
 def _check_gpus(config: Config, path: launch.LaunchPath) -> None:
     """Refuse to start more local workers on CUDA than the node has GPUs (a worker's own
     check, in `resolve_device`, would leave the others waiting for it at the rendezvous)."""
-    from ciuic_train.tools.memory_check import run_device
+    from ciuic_train.plan.memory_check import run_device
 
     workers = config.dist.nproc_per_node
     if not (isinstance(path, launch.ElasticLauncher) and workers > 1) or run_device(config) != "cuda":
@@ -200,8 +200,8 @@ def _check_gpus(config: Config, path: launch.LaunchPath) -> None:
 def _check_memory(config: Config, path: launch.LaunchPath) -> None:
     """Refuse a job whose exact memory does not fit a rank here; warn when only its
     estimated total does (rank 0 speaks, as for every mistake)."""
-    from ciuic_train.tools.memory_check import as_launched, check_memory, run_device
-    from ciuic_train.tools.memory_limits import usable_bytes_per_rank
+    from ciuic_train.plan.memory_check import as_launched, check_memory, run_device
+    from ciuic_train.memory_limits import usable_bytes_per_rank
 
     checked_by_parent = (
         isinstance(path, launch.ElasticWorker) and os.environ.get(MEMORY_CHECKED_BY) == str(os.getppid())

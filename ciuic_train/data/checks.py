@@ -1,4 +1,4 @@
-"""The data config's cross-field checks (`config.validate` runs them before any work).
+"""The data config's cross-field checks (`checks.validate` runs them before any work).
 
 They read the fields only: nothing here imports the schema, a corpus or a library, so a
 mistake is refused in one line at once.

@@ -4,7 +4,7 @@ A document is a text file of a text corpus (a row of a dataset). Tokenizing reco
 token offset of each document's first token: `train.idx` beside `train.bin` (and
 `train_3.idx` beside a shard `train_3.bin`) holds them as ascending little-endian
 uint64, the first 0. `data=tokens` reads the same files where they are there; a corpus
-without them trains as before, and `data.doc_mask=true` refuses it in one line.
+without them trains with attention across documents, and `data.doc_mask=true` refuses it in one line.
 
 `DocumentIndex` answers the one question the batches ask (`window_documents`): for a
 window of the split, each position's document, counted from the window's first.

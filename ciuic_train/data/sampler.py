@@ -125,10 +125,12 @@ def n_windows(tokens: np.ndarray, seq_len: int) -> int:
 
 
 def get_batch(tokens: np.ndarray, indices: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets for the given windows."""
+    """Inputs and next-token targets for the given windows, each in memory of its own:
+    evaluation masks the targets of filler rows in place, which through a shared storage
+    would turn their inputs into ids no embedding has."""
     rows = np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in indices.tolist()])
     rows = torch.from_numpy(rows.astype(np.int64))
-    return rows[:, :-1], rows[:, 1:]
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 def window_documents(

@@ -9,8 +9,8 @@ second run with the same sources starts at once. A Hugging Face dataset's rows
 (`hf_dataset.DatasetRows`) are cached the same way, keyed by the dataset's fingerprint.
 
 A file (a dataset's row) is a document: it ends with the tokenizer's end-of-text id under `data.eos=true`,
-else with a blank line, as before there were documents (the same tokens: only the key's
-version changed, for the index, so entries made before it are tokenized once again).
+else with a blank line (the cache key's version covers the document index, so an entry
+without one is tokenized again).
 
 Tokenizing streams: files, cut into chunks of `data.chunk_mb` at newlines (rows, a
 batch at a time), go to worker processes and their ids are appended to the token files in order, so memory stays
@@ -52,7 +52,7 @@ from ciuic_train.data.tokenizer import (
     train_bpe,
 )
 from ciuic_train.files import user_cache_dir, write_json_atomic
-from ciuic_train.launch.paths import launcher_rank
+from ciuic_train.environment import launcher_rank
 from ciuic_train.progress import WorkProgress
 
 log = logging.getLogger("ciuic_train")

@@ -161,7 +161,7 @@ def model_vocab_size(tokenizer: str, bpe_vocab_size: int, eos: bool = False) -> 
     the model's own (256 in the presets) stands. Cheap: a BPE is not trained for it."""
     if tokenizer == BYTES:
         return ByteTokenizer(eos).vocab_size if eos else None
-    if tokenizer == BPE:  # a size too small is data.vocab_size's error (config.validate), not the model's
+    if tokenizer == BPE:  # a size too small is data.vocab_size's error (checks.validate), not the model's
         return bpe_vocab_size if bpe_vocab_size >= MIN_BPE_VOCAB else None
     return load_tokenizer_file(tokenizer).vocab_size
 

@@ -49,7 +49,7 @@ def replicate_with_ddp(model: nn.Module, mesh: Mesh, comm_hook: CommHook | None,
     them instead of two (param.grad and the bucket), and no copy between the two each
     step, once backward has made them views. `grads_are_bucket_views` tells the trainer to
     zero them in place after a step: set to None, the next backward would allocate them
-    again and copy them in. A comm hook reads and writes the bucket as before, so the
+    again and copy them in. A comm hook reads and writes the bucket as it would without them, so the
     tricks' hooks see no difference; the sums are the same, in the same order."""
     from torch.nn.parallel import DistributedDataParallel
 

@@ -191,7 +191,7 @@ class ExpertDispatch:
         all-to-alls want them: host integers, so this waits for the device. Counted from
         this rank's counts per expert [E] (they sum to `rows`) and the counts it received
         [source rank, local expert]; a simulation, whose counts hold no values, overrides
-        this (ciuic_train/tools/simulate.py)."""
+        this (ciuic_train/plan/simulate.py)."""
         return counts.view(self.ep_size, -1).sum(1).tolist(), received.sum(1).tolist()
 
 

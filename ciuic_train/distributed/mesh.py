@@ -77,7 +77,7 @@ class MeshShape:
         return f"{pipeline}dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}, ep={self.ep}"
 
     def as_dict(self) -> dict[str, int]:
-        pipeline = {"pp": self.pp} if self.pp > 1 else {}  # as before pipelines, where there is none
+        pipeline = {"pp": self.pp} if self.pp > 1 else {}  # a pp key only where there is a pipeline
         return {**pipeline, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "ep": self.ep}
 
 
@@ -103,14 +103,9 @@ def resolve_mesh(cfg: DistConfig, world_size: int, local_world_size: int, n_rout
     `dist.strategy` is a shorthand: `ddp` replicates only, `fsdp` shards only, `hsdp`
     shards within a node and replicates across nodes; `auto` takes the sizes as given.
     A size of -1 takes what the others leave (`dp_shard` first). Any combination that
-    does not multiply out, or that contradicts the strategy, is a one-line error.
+    does not multiply out, or that contradicts the strategy, is a one-line error; a value
+    no world size could make right is `check_dist`'s (distributed/checks.py), run first.
     """
-    for key in ("dp_replicate", "dp_shard", "ep"):
-        value = getattr(cfg, key)
-        if value < 1 and value != REST:
-            raise UserError(f"dist.{key}={value} must be a positive number of ranks, or -1 for the rest")
-    if cfg.pp < 1:
-        raise UserError(f"dist.pp={cfg.pp} must be at least 1 (1: no pipeline)")
     if world_size % cfg.pp:
         raise UserError(
             f"dist.pp={cfg.pp} must divide the world size {world_size} (each pipeline stage gets world / pp "

@@ -19,7 +19,7 @@ from torch import nn
 
 from ciuic_train.distributed.expert_parallel import expert_parameters
 from ciuic_train.distributed.materialize import local_rows
-from ciuic_train.tools.memory_limits import peak_resident_bytes
+from ciuic_train.memory_limits import peak_resident_bytes
 
 
 def param_bytes(model: nn.Module) -> dict[str, int]:

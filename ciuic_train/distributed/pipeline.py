@@ -50,11 +50,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ciuic_train.config import Config, Precision
+from ciuic_train.distributed.checks import check_pipeline_mesh
 from ciuic_train.distributed.pipeline_split import (
     ONE_STAGE_PER_RANK,
     V_SHAPED,
     balanced_split,
-    check_pipeline_mesh,
     n_microbatches,
     n_stages,
     stage_owners,
@@ -62,10 +62,11 @@ from ciuic_train.distributed.pipeline_split import (
 )
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.model import Transformer
+from ciuic_train.model.common import IGNORE_INDEX
 from ciuic_train.distributed.grads import full_value, grad_norm_squares, local_value, scale_to_max_norm_
 from ciuic_train.model.counting import pipeline_costs
 from ciuic_train.model.transformer import balance_terms, side_loss_figures
-from ciuic_train.train.loop import poison_loss
+from ciuic_train.faults import poison_loss
 
 log = logging.getLogger("ciuic_train")
 
@@ -330,6 +331,14 @@ class Pipeline:
         self._weight, self._step = 1.0, -2  # no fault injection in evaluation
         losses = self._run(inputs, targets, self._evaluate)
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.parallel.device)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The batch's loss through the forward-only schedule (a pipeline's backward runs
+        inside its schedule: `train`); 0 on the ranks without the last stage."""
+        total = self.eval_sum(inputs, targets)
+        if reduction == "sum" or not self.holds_loss:
+            return total
+        return total / (targets != IGNORE_INDEX).sum()
 
     def _sum_embedding_gradients(self) -> None:
         """The two copies' gradients (each already averaged over its stage's data ranks,

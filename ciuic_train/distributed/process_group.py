@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ciuic_train.config import Backend, DistConfig
 from ciuic_train.errors import UserError
-from ciuic_train.launch.paths import uses_agent_store
+from ciuic_train.environment import uses_agent_store
 from ciuic_train.distributed.mesh import Mesh, resolve_mesh
 
 log = logging.getLogger("ciuic_train")

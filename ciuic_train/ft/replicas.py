@@ -47,7 +47,7 @@ import torch
 from ciuic_train.errors import RunFailed, first_line
 from ciuic_train.ft.config import START_STORE, FtConfig
 from ciuic_train.ft.live_state import local_tensor
-from ciuic_train.launch.paths import uses_agent_store
+from ciuic_train.environment import uses_agent_store
 
 log = logging.getLogger("ciuic_train")
 

@@ -2,7 +2,7 @@
 
 The launchers that submit jobs (`hydra/launcher=slurm|local`) live in
 `hydra_plugins/ciuic_train_launcher`, where Hydra looks for plugins; plain `srun` is
-`ciuic_train.launch.paths.SrunTask`. srun starts one task per training process; each task
+`ciuic_train.launch.modes.SrunTask`. srun starts one task per training process; each task
 takes its rank from the job environment and exports the variables torch's env://
 rendezvous reads. A run stopped by Slurm's time-limit warning (SIGUSR1) saves a
 checkpoint and requeues itself; the requeued job resumes it (`resume=auto`, the default).

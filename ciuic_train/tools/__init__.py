@@ -1,1 +1,2 @@
-"""Commands that read a config or a sweep without training: the memory plan, the ablation report."""
+"""Commands that work on a finished run or sweep: the ablation report (`ciuic-train-report`)
+and the export to Hugging Face's layout (`ciuic-train-export`)."""

@@ -27,7 +27,7 @@ One optimizer step (`Trainer.train_step`):
 
 The run (`Trainer.fit`): steps until `train.max_steps`; after each, the profiler's step
 (`profile.*`: ciuic_train/train/profiler.py), then evaluate, log (what a line and the
-summary hold: ciuic_train/train/report.py) and save (<- tricks.should_save) when `Cadence`
+summary hold: ciuic_train/train/run_record.py) and save (<- tricks.should_save) when `Cadence`
 says so; a stop signal (`StopRequest`) saves and ends the run after the current step. A
 non-finite step never reaches the weights, so no checkpoint ever holds them.
 
@@ -63,34 +63,28 @@ from ciuic_train.data.sampler import eval_indices, get_batch, train_windows, win
 from ciuic_train.data.tokenizer import check_model_vocab, save_tokenizer
 from ciuic_train.distributed.grads import average_gradients_with_consistency
 from ciuic_train.distributed.materialize import local_rows
-from ciuic_train.distributed.parallelize import parallelize
-from ciuic_train.distributed.pipeline import Pipeline
 from ciuic_train.distributed.params import peak_memory_bytes
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.errors import RunFailed, first_line
+from ciuic_train.faults import cap_address_space, inject_fault, slow_down
 from ciuic_train.files import format_bytes
 from ciuic_train.ft.groups import replica_groups
 from ciuic_train.ft.live_state import load_local_state, local_state
 from ciuic_train.model import Transformer, generate
 from ciuic_train.model.common import IGNORE_INDEX
 from ciuic_train.model.init import ParameterInit
-from ciuic_train.tools.memory_check import OutOfMemoryGuard
-from ciuic_train.train.loop import (
-    Cadence,
-    LossWatch,
-    StepCheck,
-    StopRequest,
-    Throughput,
-    cap_address_space,
-    inject_fault,
-    slow_down,
-)
+from ciuic_train.plan.memory_check import OutOfMemoryGuard
+from ciuic_train.train.cadence import Cadence
+from ciuic_train.train.loss_watch import LossWatch, StepCheck
+from ciuic_train.train.stop_request import StopRequest
+from ciuic_train.train.throughput import Throughput
 from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics_after, logged_loss
-from ciuic_train.train.optim import LrSchedule, build_optimizer
+from ciuic_train.step.batch import tokens_per_step
+from ciuic_train.step.layout import build_layout
+from ciuic_train.step.optim import LrSchedule, build_optimizer
 from ciuic_train.train.device import resolve_device, use_tf32  # resolve_device: also the CLI's
-from ciuic_train.train.passes import ModelPasses
 from ciuic_train.train.profiler import profiled_steps
-from ciuic_train.train.report import RunReport
+from ciuic_train.train.run_record import RunRecord
 from ciuic_train.train.stragglers import StepTimes
 from ciuic_train.train.trackers import Trackers
 from ciuic_train.tricks import TrickContext, build_tricks
@@ -134,8 +128,6 @@ class Trainer:
         # Built on meta: nothing is allocated until each rank materializes its own shards.
         with torch.device("meta"):
             self.model = Transformer(config.model)
-            # The whole model's shape, for counts, whatever part of it this rank holds.
-            self.model_shape = Transformer(config.model) if config.dist.pp > 1 else self.model
         # The replica groups of `ft` share one checkpoint folder (ft.checkpoints).
         self.checkpoint_root = Path(config.ft.checkpoints) if config.ft.enabled and config.ft.checkpoints else run_dir
         self.resumed_from = resolve_resume(config.resume, self.checkpoint_root)
@@ -146,13 +138,8 @@ class Trainer:
             else nullcontext()
         )
         with self.memory.during("building the model"):
-            pipeline = Pipeline(self.model, self.parallel, config, self.autocast) if config.dist.pp > 1 else None
-            self.wrapped_model = parallelize(
-                self.model, self.parallel.mesh, config, self.tricks.comm_hook(), init=self._initialize,
-                fsdp_roots=pipeline.stages if pipeline else None,
-            )
-        self.passes = pipeline or ModelPasses(self.model, self.wrapped_model, self.parallel, config, self.tricks,
-                                              self.autocast)
+            layout = build_layout(self.model, self.parallel, config, self.tricks, self.autocast, self._initialize)
+        self.passes, self.wrapped_model, self.model_shape = layout.passes, layout.wrapped_model, layout.whole_shape
         self.optimizer = build_optimizer(self.model, config.optim, train.lr)
         self.replicas.attach(self.model)
         self.lr_schedule = LrSchedule.from_config(config.optim, train.lr, train.warmup_steps, train.max_steps)
@@ -168,7 +155,7 @@ class Trainer:
         self.val_batches = -(-len(val_windows[0::val_world]) // train.batch_size)
         self.val_filler = val_windows[:1]
         # Of this replica group (all of them without `ft`).
-        self.tokens_per_step = train.batch_size * train.seq_len * train.grad_accum * val_world
+        self.tokens_per_step = tokens_per_step(train, val_world)
         self.cadence = Cadence(train, config.ckpt, self.tricks.should_save)
         self.watch = LossWatch(train, self.parallel.is_main)
         self.step_times = StepTimes(train, self.parallel)
@@ -176,8 +163,8 @@ class Trainer:
         self.metrics: MetricsFile | None = None  # open while `fit` runs
         self.checkpointer = Checkpointer(self.checkpoint_root / "checkpoints", self.parallel.info.rank,
                                          self.parallel.world_size, config.ckpt.keep_last, config.ckpt.async_save)
-        self.report = RunReport(config, self.parallel, self.model, self.model_shape, self.data, self.tricks,
-                                self.watch, self.step_times, self.checkpointer)
+        self.record = RunRecord(config, self.parallel, self.model, self.model_shape, self.data, self.tricks,
+                                self.watch, self.step_times, self.checkpointer, self.tokens_per_step)
         # A replica group that restarts beside live ones takes their state at its first
         # quorum; the checkpoint only if none of them is ahead (`_rejoin_without_peer`).
         rejoining = self.replicas.restarted()
@@ -391,7 +378,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps` (or a stop signal); returns the run's summary."""
-        self.report.log_start()
+        self.record.log_start()
         is_main = self.parallel.is_main
         trackers = Trackers.open(self.config.logger, self.run_dir, self.step, self.config) if is_main else None
         metrics = self.metrics = MetricsFile(self.run_dir / "metrics.jsonl" if is_main else None, trackers)
@@ -444,11 +431,11 @@ class Trainer:
                 # the line for good (the resume starts after it); one before the save drops
                 # the line with the step, and the resumed run logs it again.
                 if self.cadence.logs(self.step, evaluated, stopping=stopped_by is not None):
-                    record = self.report.metrics_line(self.step, figures, losses_since_log, throughput,
-                                                      last_val if evaluated else None, saves)
-                    metrics.write(record)
-                    progress.report(record)
-                    last_logged_loss = record["loss"]
+                    line = self.record.metrics_line(self.step, figures, losses_since_log, throughput,
+                                                    last_val if evaluated else None, saves)
+                    metrics.write(line)
+                    progress.report(line)
+                    last_logged_loss = line["loss"]
                     losses_since_log.clear()
                 if saves and self.replicas.saves():
                     with throughput.paused():
@@ -466,7 +453,7 @@ class Trainer:
             "wall_s": throughput.elapsed_s(),
             **self.replicas.summary(),
         }
-        return self.report.finish(self.step, run, self.resumed_from, self.run_dir, metrics)
+        return self.record.finish(self.step, run, self.resumed_from, self.run_dir, metrics)
 
     def sample(self) -> str | None:
         """Text generated from the configured prompt through the run's tokenizer; None when

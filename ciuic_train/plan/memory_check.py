@@ -36,9 +36,9 @@ from ciuic_train.config import Config, Device, Strategy
 from ciuic_train.distributed.mesh import expected_world
 from ciuic_train.errors import RankFailed, UserError, first_line
 from ciuic_train.files import format_bytes
-from ciuic_train.tools.memory_limits import Room
-from ciuic_train.tools.plan import plan_figures
-from ciuic_train.tools.plan_memory import build_meta_model
+from ciuic_train.memory_limits import Room
+from ciuic_train.plan.figures import plan_figures
+from ciuic_train.plan.memory import build_meta_model
 
 # The largest world `check_memory`'s suggestions look at.
 MAX_RANKS = 65536

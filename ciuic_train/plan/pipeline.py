@@ -36,8 +36,8 @@ from ciuic_train.config import Config
 from ciuic_train.distributed.mesh import MeshShape
 from ciuic_train.distributed.pipeline import keep_stage_parts, schedule_class, split_layers
 from ciuic_train.distributed.pipeline_split import n_microbatches, n_stages, stage_owners, stages_of_rank
-from ciuic_train.tools.plan_activations import Widths, activation_bytes
-from ciuic_train.tools.plan_memory import build_meta_model, fsdp_units, memory_figures
+from ciuic_train.plan.activations import Widths, activation_bytes
+from ciuic_train.plan.memory import build_meta_model, fsdp_units, memory_figures
 
 if TYPE_CHECKING:
     from torch import nn

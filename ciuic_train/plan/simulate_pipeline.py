@@ -2,7 +2,7 @@
 
 The rank is built as the trainer builds it (`keep_stage_parts`, `stage_modules`, then
 `parallelize` with the stage modules as FSDP2's roots) and runs its actions in the
-schedule's order (`plan_pipeline.schedule_order`), its memory counted by category as
+schedule's order (`plan/pipeline.py`'s `schedule_order`), its memory counted by category as
 `simulate_step.measure_step` counts a whole model's step. What the rank would receive
 from its neighbours is made up, with the shapes the schedule sends: the previous stage's
 hidden states for each forward, gradients for the stage's output for each backward (the
@@ -31,7 +31,7 @@ from ciuic_train.config import Config, Precision
 from ciuic_train.distributed.mesh import Mesh, MeshShape
 from ciuic_train.distributed.pipeline_split import n_microbatches, stages_of_rank
 from ciuic_train.errors import UserError
-from ciuic_train.tools.simulate_step import Measured, allocate_state, measured_from, tracker_class
+from ciuic_train.plan.simulate_step import Measured, allocate_state, measured_from, tracker_class
 
 
 def _without_module_stats(tracker: type) -> type:
@@ -115,7 +115,7 @@ def measure_pipeline_step(config: Config, model: nn.Module, stages: list[Any], a
 
     from ciuic_train.distributed.grads import clip_grad_norm_
     from ciuic_train.distributed.pipeline import residual_dtype
-    from ciuic_train.train.optim import build_optimizer
+    from ciuic_train.step.optim import build_optimizer
 
     t, m = config.train, config.model
     micro = n_microbatches(config.dist)

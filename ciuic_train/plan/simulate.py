@@ -50,8 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ciuic_train.config import Config, Device
 from ciuic_train.distributed.mesh import Mesh, MeshShape
 from ciuic_train.errors import UserError
-from ciuic_train.tools.plan import resolve_plan_mesh
-from ciuic_train.tools.simulate_step import Measured, measure_step
+from ciuic_train.plan.figures import resolve_plan_mesh
+from ciuic_train.plan.simulate_step import Measured, measure_step
 
 
 def simulate(config: Config) -> Measured:
@@ -78,8 +78,8 @@ def simulate(config: Config) -> Measured:
         fake = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         with _meshes_find_their_ranks(), _dtensor_shapes_apart():
             if shape.pp > 1:  # pipeline rank 0's stages (simulate_pipeline.py)
-                from ciuic_train.tools.plan_pipeline import schedule_order
-                from ciuic_train.tools.simulate_pipeline import build_pipeline_rank, measure_pipeline_step
+                from ciuic_train.plan.pipeline import schedule_order
+                from ciuic_train.plan.simulate_pipeline import build_pipeline_rank, measure_pipeline_step
 
                 model, stages = build_pipeline_rank(config, mesh, 0, fake=_fake_tensors(fake))
                 actions = schedule_order(config.dist)[0]
@@ -166,7 +166,7 @@ def simulable_mesh(config: Config) -> MeshShape:
     pipeline whose rank would hold several FSDP2 roots (`simulate_pipeline.check_simulable`)."""
     shape = resolve_plan_mesh(config)
     if shape.pp > 1:
-        from ciuic_train.tools.simulate_pipeline import check_simulable
+        from ciuic_train.plan.simulate_pipeline import check_simulable
 
         check_simulable(config, shape)
         return shape  # a stage's replicas are FSDP2's, not DDP's

@@ -5,7 +5,7 @@ trainer would resolve it (`expected_mesh`: `dist.nnodes * dist.nproc_per_node` r
 and every figure below follows from the parameter shapes, the mesh, `train.batch_size`,
 `train.seq_len`, `train.grad_accum`, `precision`, `device` and `activation_checkpointing`.
 `plan_figures(config)` returns them as a dict (bytes, per rank), and
-`plan_tables.print_plan(config)` prints them. Nothing here imports CUDA or allocates a
+`plan/tables.py`'s `print_plan(config)` prints them. Nothing here imports CUDA or allocates a
 tensor's data.
 
 Notation: D model dim, L layers (L_moe of them MoE), H heads, E routed experts, k of
@@ -25,7 +25,7 @@ the FSDP working buffers, the all-to-all volume (an expectation under uniform ro
 and therefore the totals and the "fits" verdicts. Not counted at all: the CUDA context,
 NCCL's buffers, allocator fragmentation, tricks' own state, evaluation steps.
 
-Per-rank state (see `plan_memory._stored_elements`)
+Per-rank state (see `plan/memory.py`'s `_stored_elements`)
 ---------------------------------------
 A parameter of shape [d0, ...] is stored whole under DDP (dp_shard=1) or one process.
 Under FSDP2/HSDP it is cut on dim 0 into n chunks as `torch.chunk` does, and every rank
@@ -48,7 +48,7 @@ ranks that hold the same experts: ceil((E / ep) / efsdp) experts' rows. Replicas
   in fp32 (the reduce dtype): 4 bytes per gathered element of every unit
   (`accumulated_grads`).
 
-FSDP's all-gathers (see `plan_memory.fsdp_units`)
+FSDP's all-gathers (see `plan/memory.py`'s `fsdp_units`)
 ---------------------------------
 FSDP2 wraps each block (`fully_shard(block)`) and each MTP depth, then the root
 (embedding, final norm, lm head). A unit's gather returns, per parameter, n * ceil(d0 / n) * rest elements (dense,
@@ -63,7 +63,7 @@ MixedPrecisionPolicy, on every device), else 4.
   prefetched) + the largest unit's unsharded gradients in g bytes plus their fp32 copy
   for the reduce-scatter ((g + 4) bytes per gathered element).
 
-Activations (`plan_activations.py`)
+Activations (`plan/activations.py`)
 -----------------------------------
 An estimate of the tensors autograd saves for backward per micro-batch, at widths r
 (residual stream), a (matmul operands and outputs) and 4 (fp32 extras) that follow from
@@ -85,7 +85,7 @@ to reduce, holds its gradients unsharded and in fp32 for the reduce-scatter. So
 (the FSDP terms under FSDP2 only). `--plan --simulate` measures a step
 (`simulate.py`); docs/plan.md sets the two side by side.
 
-A pipeline (`dist.pp > 1`, `plan_pipeline.py`): the same formulas over the parts each
+A pipeline (`dist.pp > 1`, `plan/pipeline.py`): the same formulas over the parts each
 pipeline rank keeps, with its activations from the schedule's order (the micro-batches
 in flight); the figures above are then those of the pipeline rank that needs the most.
 
@@ -115,9 +115,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ciuic_train.config import Config
+from ciuic_train.step.batch import tokens_per_step
 from ciuic_train.distributed.mesh import MeshShape, expected_mesh
-from ciuic_train.tools.plan_activations import Widths, activation_bytes
-from ciuic_train.tools.plan_memory import Unit, build_meta_model, fsdp_units, memory_figures
+from ciuic_train.plan.activations import Widths, activation_bytes
+from ciuic_train.plan.memory import Unit, build_meta_model, fsdp_units, memory_figures
 
 if TYPE_CHECKING:
     from torch import nn
@@ -142,7 +143,7 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
     mtp_total, mtp_active = count_mtp_parameters(model)
     pipeline = None
     if config.dist.pp > 1:
-        from ciuic_train.tools.plan_pipeline import pipeline_plan
+        from ciuic_train.plan.pipeline import pipeline_plan
 
         pipeline, parts = pipeline_plan(config, mesh, widths, model)
         # The pipeline rank that needs the most memory speaks for the run (the check a
@@ -164,6 +165,7 @@ def plan_figures(config: Config, model: nn.Module | None = None) -> dict[str, An
         "parameters": {"total": total, "active": active, "mtp": mtp_total, "mtp_active": mtp_active},
         "widths": {"residual": widths.r, "activation": widths.a, "gather": widths.g},
         "tokens_per_rank": config.train.batch_size * config.train.seq_len,
+        "tokens_per_step": tokens_per_step(config.train, mesh.data_parallel_size),
         "memory": memory,
         "activation_checkpointing": config.activation_checkpointing,
         "fits": fits,

@@ -51,6 +51,7 @@ from typing import Any, Iterator
 
 from ciuic_train.launch import runlock
 from ciuic_train.config import Config
+from ciuic_train.environment import launcher_rank, uses_agent_store
 from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError
 from ciuic_train.launch.overrides import quote_override
 from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task, in_slurm_task
@@ -292,18 +293,6 @@ def reported_exit_status(exit_codes: dict[int, int]) -> int | None:
         return None
     stopped = {status, -signal.SIGTERM, -signal.SIGKILL}
     return status if all(code in stopped for code in exit_codes.values()) else None
-
-
-def launcher_rank() -> int:
-    """This process's rank as its launcher set it (`RANK`; 0 where nothing launched it),
-    readable before any process group exists, and without torch."""
-    return int(os.environ.get("RANK", 0))
-
-
-def uses_agent_store() -> bool:
-    """Whether torch's elastic agent lends its workers its store (MASTER_ADDR:MASTER_PORT):
-    it does unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and outside torchrun there is none."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def _agree_run_dir(proposal: str) -> str:

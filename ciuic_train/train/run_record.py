@@ -23,7 +23,8 @@ from ciuic_train.distributed.params import param_bytes, param_checksum, peak_mem
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.files import format_bytes, write_json_atomic
 from ciuic_train.model import Transformer, count_mtp_parameters, count_parameters
-from ciuic_train.train.loop import LossWatch, Throughput
+from ciuic_train.train.loss_watch import LossWatch
+from ciuic_train.train.throughput import Throughput
 from ciuic_train.train.metrics import MetricsFile
 from ciuic_train.train.stragglers import StepTimes
 from ciuic_train.tricks.base import TrickSet
@@ -32,7 +33,7 @@ log = logging.getLogger("ciuic_train")
 
 
 @dataclass(eq=False)  # a holder of the run's parts, compared by identity
-class RunReport:
+class RunRecord:
     """The run's words, built from its parts. `model` is what this rank holds; `model_shape`
     the whole model's shape (the same object but under a pipeline), for the counts."""
 
@@ -45,6 +46,7 @@ class RunReport:
     watch: LossWatch
     step_times: StepTimes
     checkpointer: Checkpointer
+    tokens_per_step: int  # of a replica group (step/batch.py)
 
     def log_start(self) -> None:
         """The model, the data, and what building them took: a collective."""
@@ -99,6 +101,7 @@ class RunReport:
             "world_size": self.parallel.world_size,
             "strategy": self.parallel.strategy,
             "mesh": self.parallel.mesh.shape.as_dict(),
+            "tokens_per_step": self.tokens_per_step,
             "param_bytes_per_rank": param_bytes(self.model),
             "peak_memory_bytes_per_rank": self.peak_memory_per_rank(),
             "tricks": self.tricks.names,

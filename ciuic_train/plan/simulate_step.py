@@ -67,7 +67,7 @@ def measure_step(config: Config, model: nn.Module, wrapped: nn.Module, strategy:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from ciuic_train.distributed.grads import clip_grad_norm_, grad_sync
-    from ciuic_train.train.optim import build_optimizer
+    from ciuic_train.step.optim import build_optimizer
 
     t, device = config.train, next(model.parameters()).device
     optimizer = build_optimizer(model, config.optim, t.lr)

@@ -1,32 +1,18 @@
 """How one micro-batch goes forward and backward, and what follows on the gradients: the
-trainer's one interface to the model's layout.
+trainer's one interface to the model's layout, declared as `Passes`.
 
 `ModelPasses` runs the whole model on each rank (one process, DDP, FSDP2, HSDP, expert
 parallelism); `ciuic_train.distributed.pipeline.Pipeline` runs a pipeline's stages
-through torch's schedules, behind the same methods:
-
-- `train(inputs, targets, weight, step, sync)`: the micro-batch's loss times `weight`
-  goes backward; returns the loss and the side losses (0-d tensors, on the device; a
-  pipeline's stages without the loss return 0 for it);
-- `eval_sum(inputs, targets)`: the summed validation loss of a batch (0 where not held);
-- `clip_grad_norm_(max_norm)`, `balance_experts()`: after the step's micro-batches;
-- `sampling_model()`: the whole model to sample from (on rank 0; None elsewhere where it
-  had to be gathered, a collective every rank calls);
-- `holds_loss`: whether this rank computes the loss (a pipeline: its last stage's);
-- `grads_are_bucket_views()`: whether the gradients are DDP's buckets, to be zeroed in
-  place after a step rather than set to None;
-- `full_batches`: whether every evaluation batch must be `train.batch_size` windows
-  (a pipeline's stages are built for one micro-batch shape).
-
-With `data.doc_mask` the trainer hands `train`, `eval_sum` and `loss` the batch's
-documents as keywords (`docs`, `positions`: `sampler.window_documents`), which go to the
-model's forward; a pipeline is refused them (`config._validate_documents`).
+through torch's schedules. `step/layout.py` chooses between them. With `data.doc_mask`
+the trainer hands `train`, `eval_sum` and `loss` the batch's documents as keywords
+(`docs`, `positions`: `sampler.window_documents`), which go to the model's forward; a
+pipeline is refused them (`data/checks.py`).
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -36,7 +22,43 @@ from ciuic_train.distributed.data_parallel import grads_are_bucket_views
 from ciuic_train.distributed.grads import clip_grad_norm_, grad_sync
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.model import Transformer
-from ciuic_train.train.loop import poison_loss
+from ciuic_train.faults import poison_loss
+
+
+class Passes(Protocol):
+    """What the trainer asks of a layout, whatever it is."""
+
+    # Whether every evaluation batch must be `train.batch_size` windows (a pipeline's
+    # stages are built for one micro-batch shape).
+    full_batches: bool
+    # Whether this rank computes the loss (a pipeline: its last stage's ranks).
+    holds_loss: bool
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+             **documents: torch.Tensor) -> torch.Tensor:
+        """The batch's loss (`mean` per token or `sum`), 0 where this rank does not hold it."""
+
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float, step: int,
+              sync: bool, **documents: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch's loss times `weight` goes backward, gradients crossing ranks if
+        `sync`; returns the loss and the side losses (0-d tensors on the device; 0 for the
+        loss where this rank does not hold it)."""
+
+    def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor, **documents: torch.Tensor) -> torch.Tensor:
+        """The summed validation loss of a batch (0 where not held)."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (across every mesh); returns it, before clipping."""
+
+    def balance_experts(self) -> torch.Tensor:
+        """The MoE bias step from the step's token counts; returns the imbalance (0-d)."""
+
+    def grads_are_bucket_views(self) -> bool:
+        """Whether the gradients are DDP's buckets, zeroed in place after a step rather than set to None."""
+
+    def sampling_model(self) -> Transformer | None:
+        """The whole model to sample from (on rank 0; None elsewhere where it had to be
+        gathered, a collective every rank calls)."""
 
 
 class ModelPasses:

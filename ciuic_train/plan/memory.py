@@ -1,7 +1,7 @@
 """A rank's memory for `--plan` (the formulas: `plan.py`'s docstring): its parameters as
 FSDP2 units (`fsdp_units`, what each rank stores and gathers), and the totals that follow
 from them and its activations (`memory_figures`). `plan.py` takes them for the whole
-model, `plan_pipeline.py` for the parts each pipeline rank keeps."""
+model, `plan/pipeline.py` for the parts each pipeline rank keeps."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ciuic_train.config import Config
 from ciuic_train.distributed.mesh import MeshShape
-from ciuic_train.tools.plan_activations import Widths
+from ciuic_train.plan.activations import Widths
 
 if TYPE_CHECKING:
     from torch import nn

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from ciuic_train.config import Config
+from ciuic_train.step.batch import tokens_per_step
 from ciuic_train.files import format_bytes
-from ciuic_train.tools.memory_check import check_memory, run_device
-from ciuic_train.tools.memory_limits import usable_bytes_per_rank
-from ciuic_train.tools.plan import plan_figures, resolve_plan_mesh
-from ciuic_train.tools.plan_memory import GPUS, build_meta_model
+from ciuic_train.plan.memory_check import check_memory, run_device
+from ciuic_train.memory_limits import usable_bytes_per_rank
+from ciuic_train.plan.figures import plan_figures, resolve_plan_mesh
+from ciuic_train.plan.memory import GPUS, build_meta_model
 
 
 def print_plan(config: Config, simulate: bool = False) -> None:
@@ -28,7 +29,7 @@ def print_plan(config: Config, simulate: bool = False) -> None:
 
     mesh = resolve_plan_mesh(config)  # a bad mesh is a one-line error before torch loads
     if simulate:
-        from ciuic_train.tools.simulate import (
+        from ciuic_train.plan.simulate import (
             simulable_mesh, simulate as simulate_rank, simulated_rank_figures, simulation_table,
         )
 
@@ -54,7 +55,7 @@ def print_plan(config: Config, simulate: bool = False) -> None:
         "experts per MoE layer": f"{m.n_routed_experts} routed (top-{m.n_activated_experts}) + {m.n_shared_experts} shared",
         "attention": f"MLA, {m.n_heads} heads, kv_lora_rank {m.kv_lora_rank}, q_lora_rank {m.q_lora_rank or 'none'}",
         "fp32 weights + AdamW state": f"{(total + mtp_total) * 16 / 2**30:,.1f} GiB",
-        "tokens per optimizer step": f"{t.batch_size * t.seq_len * t.grad_accum * mesh.world_size:,}",
+        "tokens per optimizer step": f"{tokens_per_step(t, mesh.data_parallel_size):,}",
         "data": config.data.name + (f" ({config.data.path})" if config.data.path else ""),
         "tricks": ", ".join(sorted(config.trick)) or "none",
     }
