@@ -209,3 +209,33 @@ def test_only_the_layout_step_reads_dist_pp():
                     isinstance(node.value, ast.Attribute) and node.value.attr == "dist":
                 readers.append(str(path.relative_to(PACKAGE)))
     assert sorted(set(readers)) == ["step/layout.py"], readers
+
+
+def calls_in(path: Path, function: str) -> list[str]:
+    """The names function `function` of `path` calls: `f(...)` as "f", `x.f(...)` as "x.f"."""
+    body = next(node for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.FunctionDef) and node.name == function)
+    found = []
+    for node in ast.walk(body):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name):
+                found.append(func.id)
+            elif isinstance(func, ast.Attribute):
+                owner = func.value.id if isinstance(func.value, ast.Name) else \
+                    func.value.attr if isinstance(func.value, ast.Attribute) else "?"
+                found.append(f"{owner}.{func.attr}")
+    return found
+
+
+@pytest.mark.parametrize("module, function", [("train/trainer.py", "train_step"),
+                                              ("plan/simulate_step.py", "measure_step"),
+                                              ("plan/simulate_pipeline.py", "measure_pipeline_step")])
+def test_the_trainer_and_the_simulator_run_one_step(module, function):
+    """One step: the trainer, --simulate's whole-model rank and its pipeline rank call
+    step/training_step.py; none of them steps the optimizer, clips or goes backward by
+    itself, so a change to the step cannot miss the simulator."""
+    called = calls_in(PACKAGE / module, function)
+    assert "training_step" in called
+    by_hand = {"optimizer.step", "self.optimizer.step", "clip_grad_norm_", "loss.backward", "passes.train"}
+    assert not by_hand & set(called), called

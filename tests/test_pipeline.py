@@ -199,7 +199,7 @@ def test_a_pipeline_of_data_parallel_stages_trains_as_one_process(tmp_path, made
     # ... and its tokens per step and micro-batches are what the run trains (the stages share their data).
     assert summary["tokens_per_step"] == planned["tokens_per_step"] == 2 * 8 * 64
     micro = planned["pipeline"]
-    assert f"({micro['microbatches']} micro-batches of {micro['micro_batch_size']})" in (pipeline / "train.log").read_text()
+    assert f" {micro['microbatches']} micro-batches of {micro['micro_batch_size']});" in (pipeline / "train.log").read_text()
     one = made_once(run_one_process, "one", 2, *model, data_shares=2)
     assert_same_training(pipeline, one, "seq_aux_loss")
     # The one process reads the same tokens per step, in 4 micro-batches of 4 windows.

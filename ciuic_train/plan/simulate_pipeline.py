@@ -1,7 +1,9 @@
 """`--plan --simulate` for a pipeline: pipeline rank 0's stages, one step on fake tensors.
 
 The rank is built as the trainer builds it (`keep_stage_parts`, `stage_modules`, then
-`parallelize` with the stage modules as FSDP2's roots) and runs its actions in the
+`parallelize` with the stage modules as FSDP2's roots) and runs the trainer's step
+(`step/training_step.py`) with `SimulatedStages` as its passes: each of the step's
+`train.grad_accum` batches cut into the schedule's micro-batches, its actions run in the
 schedule's order (`plan/pipeline.py`'s `schedule_order`), its memory counted by category as
 `simulate_step.measure_step` counts a whole model's step. What the rank would receive
 from its neighbours is made up, with the shapes the schedule sends: the previous stage's
@@ -22,7 +24,7 @@ import contextlib
 import weakref
 from collections import Counter
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -31,7 +33,10 @@ from ciuic_train.config import Config, Precision
 from ciuic_train.distributed.mesh import Mesh, MeshShape
 from ciuic_train.distributed.pipeline_split import n_microbatches, stages_of_rank
 from ciuic_train.errors import UserError
-from ciuic_train.plan.simulate_step import Measured, allocate_state, measured_from, tracker_class
+from ciuic_train.distributed.grads import clip_grad_norm_
+from ciuic_train.distributed.pipeline import residual_dtype
+from ciuic_train.plan.simulate_step import Measured, allocate_state, measured_from, random_batches, tracker_class
+from ciuic_train.step.training_step import StepSeams, training_step
 
 
 def _without_module_stats(tracker: type) -> type:
@@ -110,16 +115,14 @@ def build_pipeline_rank(config: Config, mesh: Mesh, pp_rank: int,
 def measure_pipeline_step(config: Config, model: nn.Module, stages: list[Any], actions: list[tuple[str, int, int]],
                           shape: MeshShape) -> Measured:
     """One optimizer step of a pipeline rank's `stages` in the order of `actions`, its memory
-    tracked by category (module docstring)."""
+    tracked by category (module docstring): the trainer's step (`training_step`), with
+    `SimulatedStages` as the layout's passes."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from ciuic_train.distributed.grads import clip_grad_norm_
-    from ciuic_train.distributed.pipeline import residual_dtype
     from ciuic_train.step.optim import build_optimizer
 
-    t, m = config.train, config.model
-    micro = n_microbatches(config.dist)
-    rows, device = t.batch_size // micro, next(model.parameters()).device
+    t = config.train
+    device = next(model.parameters()).device
     optimizer = build_optimizer(model, config.optim, t.lr)
     allocate_state(optimizer)
     sharded = shape.strategy != "none"  # every data-parallel layout of a stage is FSDP2
@@ -127,34 +130,71 @@ def measure_pipeline_step(config: Config, model: nn.Module, stages: list[Any], a
         *((stages[0], optimizer) if sharded else ()))
     if not sharded:
         tracker.track_external(model, optimizer)
-    by_index = {stage.index: stage for stage in stages}
-    hidden_dtype = residual_dtype(config, shape)
-    max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+    snapshots = Snapshots(tracker)
+    passes = SimulatedStages(config, model, stages, actions, shape, snapshots.take)
     model.train()
-    forward = _Forward()
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
-    backwards: Counter[int] = Counter()
-    snapshots = []
     with tracker:
-        for kind, index, mb in actions:
-            stage = by_index[index]
+        training_step(passes, optimizer, random_batches(config, device, t.batch_size), t.grad_accum, 0,
+                      t.grad_clip if t.grad_clip > 0 else float("inf"), snapshots)
+    for stage in stages:
+        stage.figures = []
+    return measured_from(tracker, snapshots.taken)
+
+
+class Snapshots(StepSeams):
+    """The tracker's snapshot after each action of the schedule (`take`) and after the update."""
+
+    def __init__(self, tracker: Any):
+        self.tracker, self.taken = tracker, []
+
+    def take(self) -> None:
+        self.taken.append(self.tracker.get_tracker_snapshot())
+
+    def after_update(self) -> None:
+        self.take()
+
+
+class SimulatedStages:
+    """A pipeline rank's stages as the step's passes (`StepPasses`): each batch cut into the
+    schedule's micro-batches, its actions run in the schedule's order, with what the
+    neighbours would send made up in the shapes they send it."""
+
+    def __init__(self, config: Config, model: nn.Module, stages: list[Any], actions: list[tuple[str, int, int]],
+                 shape: MeshShape, after_action: Callable[[], None]):
+        self.config, self.model, self.actions, self.after_action = config, model, actions, after_action
+        self.by_index = {stage.index: stage for stage in stages}
+        self.sharded = shape.strategy != "none"
+        self.hidden_dtype = residual_dtype(config, shape)
+        self.forward = _Forward()
+
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float, step: int,
+              sync: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        micro = n_microbatches(self.config.dist)
+        rows = inputs.shape[0] // micro
+        tokens, answers = inputs.split(rows), targets.split(rows)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        backwards: Counter[int] = Counter()
+        for kind, index, mb in self.actions:
+            stage = self.by_index[index]
             if kind == "F":
-                tokens = torch.randint(0, m.vocab_size, (rows, t.seq_len + 1), device=device)
-                x = tokens[:, :-1] if stage.is_first else torch.randn(
-                    rows, t.seq_len, m.dim, dtype=hidden_dtype, device=device, requires_grad=True)
-                outputs[(index, mb)] = forward(stage, x, tokens[:, :-1], tokens[:, 1:])
+                x = tokens[mb] if stage.is_first else torch.randn(
+                    rows, inputs.shape[1], self.model.config.dim, dtype=self.hidden_dtype, device=inputs.device,
+                    requires_grad=True)
+                outputs[(index, mb)] = self.forward(stage, x, tokens[mb], answers[mb])
             elif kind in ("B", "I"):
                 out = outputs.pop((index, mb))
                 backwards[index] += 1
-                if sharded:
-                    stage.set_requires_gradient_sync(backwards[index] == micro)
+                if self.sharded:
+                    stage.set_requires_gradient_sync(sync and backwards[index] == micro)
                 out.backward(None if stage.is_last else torch.randn_like(out))
-            snapshots.append(tracker.get_tracker_snapshot())
-        clip_grad_norm_(list(model.parameters()), max_norm)
-        optimizer.step()
-        model.balance_experts()
-        snapshots.append(tracker.get_tracker_snapshot())
-        optimizer.zero_grad(set_to_none=True)
-    for stage in stages:
-        stage.figures = []
-    return measured_from(tracker, snapshots)
+            self.after_action()
+        return torch.zeros((), device=inputs.device), {}
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(list(self.model.parameters()), max_norm)
+
+    def balance_experts(self) -> torch.Tensor:
+        return self.model.balance_experts()
+
+    def grads_are_bucket_views(self) -> bool:
+        return False

@@ -2,10 +2,11 @@
 
 `measure_step` is the step `--plan --simulate` runs on fake tensors (`simulate.py`), and
 the one tests/simulate_rank.py runs on a real gloo group to check the simulation: the
-same code, so the two can be compared byte for byte. It is `Trainer.train_step` without
-what only logs or agrees across ranks: forward and backward over `train.grad_accum`
-micro-batches under the run's autocast (gradients synchronised on the last), the
-clipping across meshes, the AdamW step, the balancing step. AdamW's moments are
+same code, so the two can be compared byte for byte. It is the trainer's own step
+(`step/training_step.py`) without what only logs or agrees across ranks at its seams:
+forward and backward over `train.grad_accum` micro-batches under the run's autocast
+(gradients synchronised on the last), the clipping across meshes, the AdamW step, the
+balancing step. AdamW's moments are
 allocated before it (`allocate_state`), as in every step after the first, so the peak
 is the steady state's, which is what `--plan` estimates.
 
@@ -22,15 +23,16 @@ activations' gradients), other (buffers, the batch).
 from __future__ import annotations
 
 import dataclasses
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 from unittest import mock
 
 import torch
 from torch import nn
 
 from ciuic_train.config import Config, Precision
+from ciuic_train.step.passes import ModelPasses
+from ciuic_train.step.training_step import MicroBatch, StepSeams, training_step
 
 CATEGORIES = {
     "Sharded Param": "parameters", "Parameter": "parameters",
@@ -63,10 +65,10 @@ class Measured:
 
 def measure_step(config: Config, model: nn.Module, wrapped: nn.Module, strategy: str) -> Measured:
     """One training step of `wrapped` (what `parallelize` returned for `model`), its memory
-    tracked by category; `strategy` is the mesh's (`MeshShape.strategy`)."""
+    tracked by category; `strategy` is the mesh's (`MeshShape.strategy`). The step is the
+    trainer's (`training_step` through `ModelPasses`), its batches random tokens."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from ciuic_train.distributed.grads import clip_grad_norm_, grad_sync
     from ciuic_train.step.optim import build_optimizer
 
     t, device = config.train, next(model.parameters()).device
@@ -77,28 +79,47 @@ def measure_step(config: Config, model: nn.Module, wrapped: nn.Module, strategy:
     if not sharded:
         tracker.track_external(model, optimizer)
     bf16 = config.precision is Precision.bf16
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else None
+    passes = ModelPasses(model, wrapped, config, strategy=strategy, all_reduce=sum_over_ranks, autocast=autocast)
+    seams = ModuleSnapshots(tracker)
     wrapped.train()
-    snapshots = []
     with tracker:
-        for i in range(t.grad_accum):
-            tokens = torch.randint(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1), device=device)
-            with grad_sync(wrapped, strategy, enabled=i == t.grad_accum - 1):
-                with autocast:
-                    loss = wrapped(tokens[:, :-1], tokens[:, 1:], mtp_loss_weight=t.mtp_loss_weight)
-                loss.backward()
-            # The modules' snapshots of this micro-batch; the tracker takes a second forward
-            # of the model only without them (the peak is kept apart).
-            snapshots += [snapshot for stats in tracker.memory_tracking.values()
-                          for group in stats.snapshots.values() for snapshot in group]
-            tracker.reset_mod_stats()
-        clip_grad_norm_(list(model.parameters()), max_norm)
-        optimizer.step()
-        model.balance_experts()
-        snapshots.append(tracker.get_tracker_snapshot())
-        optimizer.zero_grad(set_to_none=True)
-    return measured_from(tracker, snapshots)
+        training_step(passes, optimizer, random_batches(config, device, t.batch_size), t.grad_accum, 0,
+                      t.grad_clip if t.grad_clip > 0 else float("inf"), seams)
+    return measured_from(tracker, seams.taken)
+
+
+def random_batches(config: Config, device: torch.device, rows: int) -> Iterator[MicroBatch]:
+    """A step's `train.grad_accum` micro-batches of random tokens, made as the step reaches each."""
+    for _ in range(config.train.grad_accum):
+        tokens = torch.randint(0, config.model.vocab_size, (rows, config.train.seq_len + 1), device=device)
+        yield MicroBatch(tokens[:, :-1], tokens[:, 1:])
+
+
+def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """The experts' token counts summed over the ranks, as `Parallel.all_reduce_sum_` does
+    (a fake process group's all-reduce in a simulation)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tensor)
+    return tensor
+
+
+class ModuleSnapshots(StepSeams):
+    """The tracker's snapshots: each module's after every micro-batch, the whole after the
+    update (where the gradients and the optimizer state are whole)."""
+
+    def __init__(self, tracker: Any):
+        self.tracker, self.taken = tracker, []
+
+    def after_micro_batch(self) -> None:
+        # The modules' snapshots of this micro-batch; the tracker takes a second forward
+        # of the model only without them (the peak is kept apart).
+        self.taken += [snapshot for stats in self.tracker.memory_tracking.values()
+                       for group in stats.snapshots.values() for snapshot in group]
+        self.tracker.reset_mod_stats()
+
+    def after_update(self) -> None:
+        self.taken.append(self.tracker.get_tracker_snapshot())
 
 
 def measured_from(tracker: Any, snapshots: list[dict]) -> Measured:

@@ -44,4 +44,6 @@ def build_layout(model: Transformer, parallel: Parallel, config: Config, tricks:
         wrapped = parallelize(model, parallel.mesh, config, tricks.comm_hook(), init=init, fsdp_roots=pipeline.stages)
         return Layout(pipeline, wrapped, whole_shape)
     wrapped = parallelize(model, parallel.mesh, config, tricks.comm_hook(), init=init)
-    return Layout(ModelPasses(model, wrapped, parallel, config, tricks, autocast), wrapped, model)
+    passes = ModelPasses(model, wrapped, config, strategy=parallel.strategy, rank=parallel.info.rank,
+                         all_reduce=parallel.all_reduce_sum_, transform_loss=tricks.transform_loss, autocast=autocast)
+    return Layout(passes, wrapped, model)

@@ -12,7 +12,7 @@ pipeline is refused them (`data/checks.py`).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -20,7 +20,6 @@ from torch import nn
 from ciuic_train.config import Config
 from ciuic_train.distributed.data_parallel import grads_are_bucket_views
 from ciuic_train.distributed.grads import clip_grad_norm_, grad_sync
-from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.model import Transformer
 from ciuic_train.faults import poison_loss
 
@@ -62,15 +61,20 @@ class Passes(Protocol):
 
 
 class ModelPasses:
-    """The whole model on every rank: `wrapped_model` is what `parallelize` returned."""
+    """The whole model on every rank: `wrapped_model` is what `parallelize` returned for
+    `model` on a mesh of `strategy` (`MeshShape.strategy`). `rank` is this process's rank
+    (for `fault.nan_rank`), `all_reduce` sums a tensor in place over the ranks (the
+    experts' token counts; None: this rank's alone), `transform_loss` a trick's seam."""
 
     full_batches = False
     holds_loss = True
 
-    def __init__(self, model: Transformer, wrapped_model: nn.Module, parallel: Parallel, config: Config,
-                 tricks: Any, autocast: Any = None):
-        self.model, self.wrapped_model = model, wrapped_model
-        self.parallel, self.config, self.tricks = parallel, config, tricks
+    def __init__(self, model: Transformer, wrapped_model: nn.Module, config: Config, *, strategy: str,
+                 rank: int = 0, all_reduce: Callable[[torch.Tensor], Any] | None = None,
+                 transform_loss: Callable[[torch.Tensor, int], torch.Tensor] | None = None, autocast: Any = None):
+        self.model, self.wrapped_model, self.config = model, wrapped_model, config
+        self.strategy, self.rank, self.all_reduce = strategy, rank, all_reduce
+        self.transform_loss = transform_loss or (lambda loss, step: loss)
         self.autocast = autocast or nullcontext()
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
@@ -83,9 +87,9 @@ class ModelPasses:
 
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float, step: int,
               sync: bool, **documents: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        with grad_sync(self.wrapped_model, self.parallel.strategy, enabled=sync):
-            loss = self.tricks.transform_loss(self.loss(inputs, targets, **documents), step)
-            loss = poison_loss(self.config.fault, self.parallel.info.rank, step + 1, loss)
+        with grad_sync(self.wrapped_model, self.strategy, enabled=sync):
+            loss = self.transform_loss(self.loss(inputs, targets, **documents), step)
+            loss = poison_loss(self.config.fault, self.rank, step + 1, loss)
             (loss * weight).backward()
         return loss.detach(), self.model.loss_figures()
 
@@ -99,7 +103,7 @@ class ModelPasses:
         return grads_are_bucket_views(self.wrapped_model)
 
     def balance_experts(self) -> torch.Tensor:
-        return self.model.balance_experts(all_reduce=self.parallel.all_reduce_sum_)
+        return self.model.balance_experts(all_reduce=self.all_reduce)
 
     def sampling_model(self) -> Transformer:
         return self.model

@@ -1,6 +1,8 @@
 """The training loop.
 
-One optimizer step (`Trainer.train_step`):
+One optimizer step (`Trainer.train_step`). From the first micro-batch to the cleared
+gradients it is `step/training_step.py`'s, the code `--simulate` runs too; what only the
+trainer does sits at that step's seams (`train/step_seams.py`, marked `seam:` below):
 
     quorum of the replica groups (ft.*)     a group behind the others receives their live
                                             state here (ciuic_train/ft/replicas.py)
@@ -15,10 +17,10 @@ One optimizer step (`Trainer.train_step`):
                                             (DDP's all-reduce, or tricks.comm_hook in its place;
                                             FSDP2's reduce-scatter, plus all-reduce under HSDP;
                                             by hand where train.log_grad_consistency measures)
-    across replica groups (ft.*): gradients and losses averaged, the experts' token counts summed
+    seam: across replica groups (ft.*): gradients and losses averaged, the experts' token counts summed
     clip the global gradient norm (across every mesh: ciuic_train/distributed/grads.py)
-    ranks agree: mean losses, finite?, stop?  (`LossWatch.agree`, the step's one small collective)
-    the replica groups commit: a group lost during the step drops it (data rewound), and it runs again
+    seam: ranks agree: mean losses, finite?, stop?  (`LossWatch.agree`, the step's one small collective)
+    seam: the replica groups commit: a group lost during the step drops it (data rewound), and it runs again
     if finite: optimizer step; MoE: one balancing step from the tokens each expert received
     else: no update; stop the run, or skip the step (train.on_nonfinite)
     clear the gradients (set to None; DDP's, views of its buckets, zeroed in place)
@@ -43,7 +45,7 @@ import logging
 import random
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -61,12 +63,11 @@ from ciuic_train.config import Config, OnNonFinite, Precision
 from ciuic_train.data.corpus import load_tokens
 from ciuic_train.data.sampler import eval_indices, get_batch, train_windows, window_documents
 from ciuic_train.data.tokenizer import check_model_vocab, save_tokenizer
-from ciuic_train.distributed.grads import average_gradients_with_consistency
 from ciuic_train.distributed.materialize import local_rows
 from ciuic_train.distributed.params import peak_memory_bytes
 from ciuic_train.distributed.process_group import Parallel
 from ciuic_train.errors import RunFailed, first_line
-from ciuic_train.faults import cap_address_space, inject_fault, slow_down
+from ciuic_train.faults import cap_address_space, inject_fault
 from ciuic_train.files import format_bytes
 from ciuic_train.ft.groups import replica_groups
 from ciuic_train.ft.live_state import load_local_state, local_state
@@ -82,9 +83,11 @@ from ciuic_train.train.metrics import MetricsFile, ProgressDisplay, drop_metrics
 from ciuic_train.step.batch import tokens_per_step
 from ciuic_train.step.layout import build_layout
 from ciuic_train.step.optim import LrSchedule, build_optimizer
+from ciuic_train.step.training_step import APPLY, MicroBatch, training_step
 from ciuic_train.train.device import resolve_device, use_tf32  # resolve_device: also the CLI's
 from ciuic_train.train.profiler import profiled_steps
 from ciuic_train.train.run_record import RunRecord
+from ciuic_train.train.step_seams import RETRY, TrainerSeams
 from ciuic_train.train.stragglers import StepTimes
 from ciuic_train.train.trackers import Trackers
 from ciuic_train.tricks import TrickContext, build_tricks
@@ -285,60 +288,33 @@ class Trainer:
         lr = self.tricks.lr_at(self.step, self.lr_schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-
-        # The step's figures stay on the device until the one host sync of the step, the
-        # ranks' agreement (`LossWatch.agree`): a GPU runs ahead of the host meanwhile.
-        loss_sum, side_sums = torch.zeros((), dtype=torch.float64, device=self.device), {}
         weights = self.tricks.micro_batch_weights(self.step, train.grad_accum)
         # On a step that logs it, the gradients are averaged by hand after backward, next to each rank's own.
         measure_consistency = train.log_grad_consistency and self.cadence.logs(self.step + 1, False, False)
-        for i, weight in enumerate(weights):
-            with self.step_times.fetching_data():
-                inputs, targets, documents = self.windows.next_batch(train.batch_size)
-                inputs, targets, documents = self._to_device(inputs, targets, documents)
-            sync = i == len(weights) - 1 and not measure_consistency
-            loss, side_figures = self.passes.train(inputs, targets, weight, self.step, sync, **documents)
-            loss_sum += loss.double() * weight
-            for name, value in side_figures.items():  # MTP and balance losses, where on
-                side_sums[name] = side_sums.get(name, 0.0) + value.double() * weight
-        figures = {}
-        if measure_consistency:
-            figures["grad_consistency"] = average_gradients_with_consistency(list(self.model.parameters()), self.parallel)
-
-        total_weight = sum(weights)
-        slow_down(self.config.fault, self.replicas.global_rank(self.parallel.info.rank))  # before any exchange
-        # Across replica groups (ft): the gradients and figures averaged, the experts' token counts summed.
-        across = self.replicas.average_(
-            [p.grad for p in self.model.parameters() if p.grad is not None],
-            torch.stack([loss_sum / total_weight, *(value / total_weight for value in side_sums.values())]),
-            sums=self.model.expert_counts(),
-        )
-        loss_mean, side_losses = across[0], dict(zip(side_sums, across[1:]))
-        max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
-        grad_norm = self.passes.clip_grad_norm_(max_norm)
-        self.step_times.reached_agreement(exact=self.cadence.logs(self.step + 1, False, False))
-        check = self.watch.agree(self.parallel, loss_mean, grad_norm, stop.votes() if stop else [], side_losses)
-        if not self.replicas.commit():  # a replica group was lost during the step: it is retried
+        seams = TrainerSeams(self, stop.votes() if stop else [], measure_consistency)
+        outcome = training_step(self.passes, self.optimizer, self._micro_batches(weights), len(weights), self.step,
+                                train.grad_clip if train.grad_clip > 0 else float("inf"), seams,
+                                sync_gradients=not measure_consistency)
+        check = seams.check
+        if outcome.verdict == RETRY:  # a replica group was lost during the step: it runs again
             self.windows.load_state_dict(data_position)
-            self.model.forget_expert_counts()
-            self.optimizer.zero_grad(set_to_none=not self.passes.grads_are_bucket_views())
             return {"committed": False, "stop_signal": check.stop_signal}
-        verdict = self.watch.judge(self.step + 1, check)
-        if verdict == "apply":
-            self.optimizer.step()
-            # A 0-d tensor, read only when a line is logged (`_record`).
-            moe_imbalance = self.passes.balance_experts()
-        else:
-            self.model.forget_expert_counts()
-            moe_imbalance = float("nan")
-        self.optimizer.zero_grad(set_to_none=not self.passes.grads_are_bucket_views())
-        if verdict == "stop":
+        if outcome.verdict == "stop":
             raise RunFailed(self._nonfinite_message(check, lr))
         self.step += 1
         self.replicas.end_step(self.step)  # DiLoCo's groups meet here
-        return {"loss": check.loss, "lr": lr, "grad_norm": check.grad_norm, "moe_imbalance": moe_imbalance,
-                "committed": True, "applied": verdict == "apply", "stop_signal": check.stop_signal,
-                **check.side_losses, **figures, **self.replicas.step_figures()}
+        return {"loss": check.loss, "lr": lr, "grad_norm": check.grad_norm, "moe_imbalance": outcome.moe_imbalance,
+                "committed": True, "applied": outcome.verdict == APPLY, "stop_signal": check.stop_signal,
+                **check.side_losses, **seams.figures, **self.replicas.step_figures()}
+
+    def _micro_batches(self, weights: list[float]) -> Iterator[MicroBatch]:
+        """The step's micro-batches from this rank's share of the data, fetched as the step
+        reaches each (the time spent counted apart: `StepTimes`)."""
+        for weight in weights:
+            with self.step_times.fetching_data():
+                inputs, targets, documents = self.windows.next_batch(self.config.train.batch_size)
+                inputs, targets, documents = self._to_device(inputs, targets, documents)
+            yield MicroBatch(inputs, targets, weight, documents)
 
     def _nonfinite_message(self, check: StepCheck, lr: float) -> str:
         """Why the run stops, and how to continue from the last checkpoint that is good."""
