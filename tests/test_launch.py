@@ -46,7 +46,10 @@ def env(monkeypatch):
           "WORLD_SIZE": "4"}, launch.ElasticWorker),
         # A task of hydra/launcher=slurm: the launcher exported its rank before the job.
         ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SUBMITIT_FOLDER": "f",
-          "WORLD_SIZE": "2"}, launch.LaunchPath),
+          "WORLD_SIZE": "2"}, launch.LauncherTask),
+        # Its one task (one node, one rank): nothing exported, free to start workers.
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SUBMITIT_FOLDER": "f"},
+         launch.ElasticLauncher),
     ],
 )
 def test_the_environment_names_the_launch_path(env, variables, path):

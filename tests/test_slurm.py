@@ -18,7 +18,7 @@ import pytest
 from ciuic_train.cli.preflight import check_request
 from ciuic_train.config import DistConfig
 from ciuic_train.errors import UserError
-from conftest import run_cli, torchrun
+from conftest import compose_config, run_cli, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -190,6 +190,25 @@ def test_ft_under_a_submitit_launcher_takes_one_task_per_job_that_starts_the_gro
     with pytest.raises(UserError, match=r"ft.groups=2 does not divide dist.nproc_per_node=3"):
         check_request([*ft, "dist.nproc_per_node=3"])
     assert len(check_request([*ft, "dist.nproc_per_node=4"])) == 1  # two groups of two ranks in one task
+    # On several nodes each node's task starts ft.groups / nodes of them.
+    with pytest.raises(UserError, match=r"^ft.groups=3 does not divide among the job's 2 nodes"):
+        check_request([*ft, "hydra.launcher.nodes=2", "ft.groups=3", "dist.nproc_per_node=3"])
+    with pytest.raises(UserError, match=r"^ft.groups=4 \(2 per node\) does not divide dist.nproc_per_node=3"):
+        check_request([*ft, "hydra.launcher.nodes=2", "ft.groups=4", "dist.nproc_per_node=3"])
+    assert len(check_request([*ft, "hydra.launcher.nodes=2", "ft.groups=2", "dist.nproc_per_node=1"])) == 1
+
+
+def test_ft_under_srun_takes_one_task_per_node_that_starts_its_groups():
+    from ciuic_train.launch.replica_groups import NodeShare, check_ft_launch
+
+    config = compose_config(*TINY, "ft.enabled=true", "ft.groups=4", "dist.nproc_per_node=2")
+    with pytest.raises(UserError, match=r"^ft.enabled=true under srun with 2 tasks per node: .* --ntasks-per-node=1"):
+        check_ft_launch(config, False, srun_tasks_per_node=2, nodes=2)
+    check_ft_launch(config, False, srun_tasks_per_node=1, nodes=2)  # two groups of one rank on each node
+    with pytest.raises(UserError, match=r"^ft.groups=4 does not divide among the job's 3 nodes"):
+        check_ft_launch(config, False, srun_tasks_per_node=1, nodes=3)
+    shares = [NodeShare(node, 2, "host0", 20000).groups(4) for node in range(2)]
+    assert [list(groups) for groups in shares] == [[0, 1], [2, 3]]
 
 
 @pytest.mark.slow

@@ -116,3 +116,41 @@ def test_sbatch_template_runs_one_torchrun_per_node(two_nodes, one_host, tmp_pat
     assert accounted(name) == "host[0-1]|0:0", log[-3000:]
     across = summary(tmp_path / "run")
     assert across["world_size"] == 2 and across["param_checksum"] == one_host["param_checksum"], log[-3000:]
+
+
+def assert_two_groups_trained_together(run_dir: Path, log: str) -> None:
+    """Group 0 in the run folder, group 1 in group_1/: every step averaged over both, the
+    same weights at the end."""
+    first, second = summary(run_dir), summary(run_dir / "group_1")
+    assert (first["replica_group"], second["replica_group"]) == (0, 1), log[-3000:]
+    assert first["steps"] == second["steps"] == 6 and first["param_checksum"] == second["param_checksum"]
+    participants = [json.loads(line)["participants"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert participants and set(participants) == {2}, participants
+    # Each group's torchft checkpoint server (its peer's source of live weights) runs on its node.
+    assert "CheckpointServer on http://host0:" in (run_dir / "train.log").read_text(), log[-3000:]
+    assert "CheckpointServer on http://host1:" in (run_dir / "group_1" / "train.log").read_text(), log[-3000:]
+
+
+def test_ft_under_srun_starts_one_replica_group_on_each_node(two_nodes, tmp_path):
+    """`srun -N 2 --ntasks-per-node=1` with ft.enabled=true: each node's task starts its group;
+    the first node's runs the lighthouse, which the other finds through the job's store."""
+    name = f"srun-ft-{uuid.uuid4().hex[:8]}"
+    result = on_host0("srun", "-N", "2", "--ntasks-per-node=1", f"--job-name={name}", "--kill-on-bad-exit=1",
+                      "ciuic-train", *RUN, "train.log_every=1", "ft.enabled=true", "ft.groups=2",
+                      f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=240)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    assert accounted(name) == "host[0-1]|0:0"
+    assert_two_groups_trained_together(tmp_path / "run", log)
+
+
+def test_ft_under_hydras_slurm_launcher_spans_the_job_nodes(two_nodes, tmp_path):
+    """`hydra/launcher=slurm hydra.launcher.nodes=2` with ft.enabled=true: the job's task on
+    each node starts that node's replica group."""
+    sweep = tmp_path / "sweep"
+    result = on_host0("ciuic-train", "-m", "hydra/launcher=slurm", "hydra.launcher.nodes=2", *RUN,
+                      "train.log_every=1", "ft.enabled=true", "ft.groups=2", f"hydra.sweep.dir={sweep}",
+                      cwd=tmp_path, timeout=300)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-3000:]
+    assert_two_groups_trained_together(sweep / "0", log)

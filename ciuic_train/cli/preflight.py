@@ -36,6 +36,7 @@ from ciuic_train.distributed.checks import check_pipeline_mesh
 from ciuic_train.errors import UserError
 from ciuic_train.launch import modes as launch
 from ciuic_train.launch.replica_groups import check_ft_launch, check_group_split
+from ciuic_train.launch.slurm import Task
 from ciuic_train.tricks import seam_owner
 
 # Our launchers (conf/hydra/launcher/) and what each needs beyond Hydra itself.
@@ -50,6 +51,7 @@ class CheckedJob:
     run_dir: str  # hydra.run.dir as this process resolves it
     sweep_dir: str  # hydra.sweep.dir, likewise
     tasks_per_node: int  # hydra.launcher.tasks_per_node, likewise (1 where the launcher has none)
+    nodes: int  # hydra.launcher.nodes, likewise
 
 
 def check_request(
@@ -86,7 +88,8 @@ def check_request(
     if not config_only and launcher is None:
         for job in checked:
             starts_workers = isinstance(path, launch.ElasticLauncher) and job.config.dist.nproc_per_node > 1
-            check_ft_launch(job.config, starts_workers, isinstance(path, launch.SrunTask))
+            srun = Task.from_slurm() if isinstance(path, launch.SrunTask) else None
+            check_ft_launch(job.config, starts_workers, srun.local_world_size if srun else 0, srun.nodes if srun else 1)
             _check_gpus(job.config, path)
             if check_memory:
                 _check_memory(job.config, path)
@@ -97,17 +100,17 @@ def check_request(
 
 def _check_launcher_tasks(launcher: str, checked: list[CheckedJob]) -> None:
     """Under a submitit launcher each task is a rank, except with `ft.enabled=true`: there
-    the job's one task starts the replica groups on its node, as the CLI's launcher does
-    (`dist.nproc_per_node=N ft.groups=G`, the lighthouse in that task)."""
+    each node's one task starts that node's replica groups, as the CLI's launcher does
+    (`dist.nproc_per_node=N ft.groups=G`, the lighthouse in the first node's task)."""
     for job in checked:
         if job.config.ft.enabled:
             if job.tasks_per_node != 1:
                 raise UserError(
-                    f"ft.enabled=true under hydra/launcher={launcher}: the job's one task starts the replica "
+                    f"ft.enabled=true under hydra/launcher={launcher}: each node's one task starts its replica "
                     f"groups (dist.nproc_per_node=N ft.groups=G); set hydra.launcher.tasks_per_node=1, "
                     f"not {job.tasks_per_node}"
                 )
-            check_group_split(job.config)
+            check_group_split(job.config, job.nodes)
         elif job.config.dist.nproc_per_node > 1:
             raise UserError(
                 f"with hydra/launcher={launcher} each rank is a task: set hydra.launcher.tasks_per_node=N "
@@ -140,6 +143,7 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
         cfg = compose(overrides)
         run_dir, sweep_dir = str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
         tasks_per_node = int(cfg.hydra.launcher.get("tasks_per_node") or 1)
+        nodes = int(cfg.hydra.launcher.get("nodes") or 1)
         config = job_config(without_hydra(cfg), overrides)
     if not config_only and check_mesh:
         shape = expected_mesh(config.dist, config.model.n_routed_experts)
@@ -158,7 +162,7 @@ def _check_job(overrides: list[str], config_only: bool, check_mesh: bool = True)
             _check_resume(config, resumes_from)
         elif config.init_from:  # a run that will resume its own checkpoint does not read init_from
             _check_init_from(config)
-    return CheckedJob(config, run_dir, sweep_dir, tasks_per_node)
+    return CheckedJob(config, run_dir, sweep_dir, tasks_per_node, nodes)
 
 
 def _check_resume(config: Config, checkpoint: Path) -> None:

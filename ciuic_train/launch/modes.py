@@ -3,11 +3,14 @@
 A process finds out from its environment how it was started; each way is one subclass
 of `LaunchPath`, and `current()` picks the first class in `PATHS` whose `applies()` is
 true (or, if none is, `LaunchPath` itself: a process whose rank, if it has one, is
-already in its environment, such as a task of our Hydra launchers):
+already in its environment):
 
 - `SrunTask`: `srun -n N ciuic-train ...` inside a Slurm allocation. srun started this
   process as one of N tasks, each one rank of one run; the rank comes from Slurm's
-  variables, and the run folder is named after the job and step.
+  variables, and the run folder is named after the job and step. With `ft.enabled=true`
+  (one task per node) each task starts its node's replica groups instead.
+- `LauncherTask`: a task of our Hydra launchers' job on several nodes, its rank exported
+  by the launcher; likewise a rank, or with `ft.enabled=true` its node's groups.
 - `ElasticWorker`: torchrun started this process, or `ElasticLauncher` below did. Torch's
   elastic agent set its rank; the ranks agree on one run folder through the agent's store.
 - `ElasticLauncher`: nothing gave this process a rank (a user typed `ciuic-train ...`).
@@ -111,6 +114,39 @@ class SrunTask(LaunchPath):
             overrides.append(f"hydra.run.dir={quote_override(str(Path('outputs') / f'slurm-{step}'))}")
         return overrides + (list(WORKER_OVERRIDES) if task.rank != 0 else [])
 
+    def start_workers(self, config: Config, run_dir: Path) -> dict[str, Any] | None:
+        """With `ft.enabled=true` this task is its node's one (`srun -N K --ntasks-per-node=1`):
+        it starts the node's share of the replica groups."""
+        return _start_node_groups(config, run_dir)
+
+
+class LauncherTask(LaunchPath):
+    """A task of our Hydra launchers' job on several nodes (`hydra.launcher.nodes=K`): the
+    launcher exported its rank; it trains as that rank, or with `ft.enabled=true` (one task
+    per node) starts the node's share of the replica groups."""
+
+    name = "hydra/launcher"
+
+    @classmethod
+    def applies(cls) -> bool:
+        env = os.environ
+        return "SUBMITIT_FOLDER" in env and "WORLD_SIZE" in env and "TORCHELASTIC_RUN_ID" not in env
+
+    def start_workers(self, config: Config, run_dir: Path) -> dict[str, Any] | None:
+        return _start_node_groups(config, run_dir)
+
+
+def _start_node_groups(config: Config, run_dir: Path) -> dict[str, Any] | None:
+    """A node's one task of an `ft` job: its groups' summary; None without `ft` (train here)."""
+    if not config.ft.enabled:
+        return None
+    from ciuic_train.launch.replica_groups import NodeShare
+
+    # The launcher gave this task the node's share of the CPUs: one share of it per rank.
+    task_threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, task_threads // config.dist.nproc_per_node))
+    return _start_replica_groups(config, run_dir, NodeShare.from_environment())
+
 
 class ElasticWorker(LaunchPath):
     """A worker that torch's elastic agent started: torchrun, or `ElasticLauncher`."""
@@ -164,13 +200,7 @@ class ElasticLauncher(LaunchPath):
         # Like torchrun, keep N processes from each starting one thread per core.
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         if config.ft.enabled:  # replica groups, each its own torchrun: ciuic_train/launch/replica_groups.py
-            from hydra.core.hydra_config import HydraConfig
-
-            from ciuic_train.launch.replica_groups import start_replica_groups
-
-            runlock.lend_to_children(run_dir)
-            codes, stopped_by = start_replica_groups(config, run_dir, list(HydraConfig.get().overrides.task))
-            return _replica_groups_result(codes, stopped_by, config, run_dir)
+            return _start_replica_groups(config, run_dir, None)
         import uuid
 
         from hydra.core.hydra_config import HydraConfig
@@ -214,20 +244,36 @@ class ElasticLauncher(LaunchPath):
         return workers_result(run_dir, config.train.max_steps)
 
 
-def _replica_groups_result(codes: list[int], stopped_by: str | None, config: Config, run_dir: Path) -> dict[str, Any]:
-    """The job's summary once its replica groups exited with `codes`: group 0's, or the
-    lowest finished group's where group 0 failed; none finished is a failure."""
+def _start_replica_groups(config: Config, run_dir: Path, share: Any) -> dict[str, Any]:
+    """Start this node's replica groups (`share`: a `NodeShare`, or None on one node), wait
+    for them and return the job's summary (`_replica_groups_result`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ciuic_train.launch.replica_groups import start_replica_groups
+
+    runlock.lend_to_children(run_dir)
+    codes, stopped_by = start_replica_groups(config, run_dir, list(HydraConfig.get().overrides.task), share)
+    return _replica_groups_result(codes, stopped_by, config, run_dir)
+
+
+def _replica_groups_result(codes: dict[int, int], stopped_by: str | None, config: Config,
+                           run_dir: Path) -> dict[str, Any]:
+    """The job's summary once this node's replica groups exited with `codes` (by group):
+    the first group's, or the lowest finished group's where it failed; none finished is a
+    failure."""
     from ciuic_train.launch.replica_groups import group_folder
 
     if stopped_by:
         return {"stopped_by": stopped_by, "final_val_loss": float("nan")}
-    finished = [group for group, code in enumerate(codes) if code == 0]
+    finished = [group for group, code in codes.items() if code == 0]
     if not finished:
-        failed = ", ".join(f"group {group} exit code {code}" for group, code in enumerate(codes))
+        failed = ", ".join(f"group {group} exit code {code}" for group, code in codes.items())
         raise WorkersFailed(f"every replica group failed ({failed}); see {run_dir / 'train.log'} and "
                             f"{run_dir}/group_*/train.log")
-    if finished[0] != 0:
-        log.warning(f"replica group 0 failed (exit code {codes[0]}); the run's summary is group {finished[0]}'s")
+    first = min(codes)
+    if finished[0] != first:
+        log.warning(f"replica group {first} failed (exit code {codes[first]}); the run's summary is group "
+                    f"{finished[0]}'s")
     return workers_result(group_folder(run_dir, finished[0]), config.train.max_steps)
 
 
@@ -262,7 +308,7 @@ def _elastic_logs_quiet() -> Iterator[None]:
 
 
 # Checked in this order: a torchrun worker inside a Slurm job is an ElasticWorker, not an SrunTask.
-PATHS: tuple[type[LaunchPath], ...] = (SrunTask, ElasticWorker, ElasticLauncher)
+PATHS: tuple[type[LaunchPath], ...] = (SrunTask, ElasticWorker, LauncherTask, ElasticLauncher)
 
 
 def current() -> LaunchPath:
