@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import faulthandler
 import gc
 import os
@@ -6,6 +8,7 @@ import time
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -162,9 +165,64 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# Two tests at a time (README's `pytest -n 2`, pytest-xdist): a slow test spends much of
+# its time starting processes and waiting on them, and one test at a time leaves about a
+# quarter of 2 cores idle. What must not run side by side is kept apart here. Each test
+# goes to a worker with its group, and a group's tests run one after another:
+# - the tests of one module form one group, in their written order, so a module-scoped
+#   fixture (a reference run, `made_once`) is made once;
+# - the tests on a cluster (the one-node Slurm, the emulated hosts and the Slurm on them)
+#   form one group: they wait for idle nodes, set the links' rates and kill hosts;
+# - a test marked `alone` (8 ranks of a model bigger than one rank: most of the machine's
+#   memory) runs with no test beside it: every other test holds a shared lock on the
+#   machine, it an exclusive one.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `-n` the groups below hold only with xdist's `loadgroup` distribution."""
+    if getattr(config.option, "dist", "no") != "no":
+        config.option.dist = "loadgroup"
+
+
+def worker_group(item: pytest.Item) -> str:
+    if item.get_closest_marker("slurm") or item.get_closest_marker("netns"):
+        return "clusters"
+    return item.module.__name__
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that need a cluster (Slurm, emulated hosts) start several processes by nature:
     they are slow too, so `pytest -m "not slow"` leaves them out without listing each."""
     for item in items:
         if item.get_closest_marker("slurm") or item.get_closest_marker("netns"):
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+
+
+@contextlib.contextmanager
+def machine_share(run: str, exclusive: bool):
+    """The machine, shared between the workers of one `pytest -n` run: a readers-writer
+    lock on two files (flock). A test takes the share lock shared, a test marked `alone`
+    exclusive; the gate in front of it is held by an exclusive taker while it waits and
+    runs, so tests that keep arriving on the other worker cannot starve it."""
+    folder = Path(tempfile.gettempdir())
+    with open(folder / f"ciuic-tests-{run}.gate", "a") as gate, open(folder / f"ciuic-tests-{run}.share", "a") as share:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if exclusive:
+            fcntl.flock(share, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            fcntl.flock(share, fcntl.LOCK_SH)
+        yield  # closing the files releases both
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """Setup (module fixtures included), call and teardown under the machine's lock, when
+    the test runs in a worker of `pytest -n`."""
+    worker = getattr(item.config, "workerinput", None)  # set in xdist's workers only
+    if worker is None:
+        return (yield)
+    with machine_share(worker["testrunuid"], exclusive=item.get_closest_marker("alone") is not None):
+        return (yield)

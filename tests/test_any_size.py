@@ -41,7 +41,7 @@ def available_bytes() -> int:
 
 # 8 ranks peak at about 2.4 GiB resident each (docs/distributed.md), at once.
 MEMORY_NEEDED = 20 * GIB
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -578,10 +578,19 @@ def test_a_kept_eager_function_runs_between_the_graphs_of_a_compiled_caller():
 
 
 def test_the_trainer_imports_no_dynamo_until_it_compiles():
-    """Half a second of every process's start-up (tests/ and ranks alike) stays unspent."""
+    """Seconds of a process's start-up stay unspent where no optimizer is built (torch's
+    Optimizer imports dynamo): importing the trainer and the CLI, and building the model on
+    meta, as the CLI process that starts the ranks does to check their memory (a meta
+    tensor's normal_ would import it)."""
     import subprocess
     import sys
 
-    code = "import sys, ciuic_train.train.trainer, ciuic_train.cli.main; print('torch._dynamo' in sys.modules)"
+    code = (
+        "import sys, torch, ciuic_train.train.trainer, ciuic_train.cli.main\n"
+        "from ciuic_train.model import Transformer\n"
+        "from ciuic_train.model.config import ModelConfig\n"
+        "with torch.device('meta'):\n    Transformer(ModelConfig())\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr[-2000:]

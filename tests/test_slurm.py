@@ -32,13 +32,17 @@ def _cluster_problem() -> str | None:
         return "hydra-submitit-launcher is not installed (pip install '.[slurm]')"
     if shutil.which("sbatch") is None:
         return "no sbatch on PATH"
-    try:
-        state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        return "sinfo does not answer"
-    if not {"idle", "mixed"} & set(state):
-        return f"no idle Slurm node (sinfo: {state})"
-    return None
+    deadline = time.monotonic() + 60  # the job of the test before may still be completing
+    while True:
+        try:
+            state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            return "sinfo does not answer"
+        if {"idle", "mixed"} & set(state):
+            return None
+        if time.monotonic() > deadline:
+            return f"no idle Slurm node (sinfo: {state})"
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")

@@ -51,9 +51,11 @@ def _problem() -> str | None:
     ping = on_host0("scontrol", "ping").stdout
     if "UP" not in ping:  # and sinfo would retry for 10 s
         return f"no Slurm controller on host0 ({ping.splitlines()[0] if ping else 'scontrol ping failed'})"
-    nodes = on_host0("sinfo", "-h", "-N", "-o", "%N=%T").stdout.split()
-    if sorted(nodes) != ["host0=idle", "host1=idle"]:
-        return f"no two idle Slurm nodes on the emulated hosts (sinfo on host0: {nodes})"
+    deadline = time.monotonic() + 60  # the job of the test before may still be completing
+    while (nodes := sorted(on_host0("sinfo", "-h", "-N", "-o", "%N=%T").stdout.split())) != ["host0=idle", "host1=idle"]:
+        if time.monotonic() > deadline:
+            return f"no two idle Slurm nodes on the emulated hosts (sinfo on host0: {nodes})"
+        time.sleep(1)
     return None
 
 

@@ -97,7 +97,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.kernels = kernels_for(cfg.kernels)
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # Given its weight, nn.Embedding skips its own normal_ draw: init_weights draws every
+        # parameter anyway, and on meta that draw imports torch._dynamo (2-5 s a process).
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = LayerStack(
             {i: Block(cfg, use_moe=i >= cfg.n_dense_layers, kernels=self.kernels) for i in range(cfg.n_layers)}
         )
