@@ -165,7 +165,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# Two tests at a time (README's `pytest -n 2`, pytest-xdist): a slow test spends much of
+# Two tests at a time (`pytest -n 2`, pytest-xdist; docs/development.md): a slow test spends much of
 # its time starting processes and waiting on them, and one test at a time leaves about a
 # quarter of 2 cores idle. What must not run side by side is kept apart here. Each test
 # goes to a worker with its group, and a group's tests run one after another:
