@@ -184,10 +184,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.dist = "loadgroup"
 
 
+def on_a_cluster(item: pytest.Item) -> bool:
+    return bool(item.get_closest_marker("slurm") or item.get_closest_marker("netns"))
+
+
 def worker_group(item: pytest.Item) -> str:
-    if item.get_closest_marker("slurm") or item.get_closest_marker("netns"):
-        return "clusters"
-    return item.module.__name__
+    return "clusters" if on_a_cluster(item) else item.module.__name__
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -195,9 +197,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that need a cluster (Slurm, emulated hosts) start several processes by nature:
     they are slow too, so `pytest -m "not slow"` leaves them out without listing each."""
     for item in items:
-        if item.get_closest_marker("slurm") or item.get_closest_marker("netns"):
+        if on_a_cluster(item):
             item.add_marker(pytest.mark.slow)
         item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+
+
+def machine_lock_files(run: str) -> tuple[Path, Path]:
+    """The gate and the share lock of `pytest -n` run `run`, in the system's temp folder."""
+    folder = Path(tempfile.gettempdir())
+    return folder / f"ciuic-tests-{run}.gate", folder / f"ciuic-tests-{run}.share"
 
 
 @contextlib.contextmanager
@@ -206,8 +214,8 @@ def machine_share(run: str, exclusive: bool):
     lock on two files (flock). A test takes the share lock shared, a test marked `alone`
     exclusive; the gate in front of it is held by an exclusive taker while it waits and
     runs, so tests that keep arriving on the other worker cannot starve it."""
-    folder = Path(tempfile.gettempdir())
-    with open(folder / f"ciuic-tests-{run}.gate", "a") as gate, open(folder / f"ciuic-tests-{run}.share", "a") as share:
+    gate_file, share_file = machine_lock_files(run)
+    with open(gate_file, "a") as gate, open(share_file, "a") as share:
         fcntl.flock(gate, fcntl.LOCK_EX)
         if exclusive:
             fcntl.flock(share, fcntl.LOCK_EX)

@@ -2,14 +2,13 @@
 readers-writer lock, probed without blocking, and the groups tests are sent to workers by."""
 
 import fcntl
-import tempfile
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import machine_share, worker_group
+from conftest import machine_lock_files, machine_share, worker_group
 
 
 def can_take(path: Path, mode: int) -> bool:
@@ -25,8 +24,7 @@ def can_take(path: Path, mode: int) -> bool:
 @pytest.fixture
 def lock_files():
     run = f"probe-{uuid.uuid4().hex}"
-    folder = Path(tempfile.gettempdir())
-    gate, share = folder / f"ciuic-tests-{run}.gate", folder / f"ciuic-tests-{run}.share"
+    gate, share = machine_lock_files(run)
     yield run, gate, share
     gate.unlink(missing_ok=True)
     share.unlink(missing_ok=True)
