@@ -4,6 +4,7 @@ import faulthandler
 import gc
 import os
 import random
+import signal
 import time
 import socket
 import subprocess
@@ -88,6 +89,35 @@ def free_port() -> int:
                 continue
         return port
     raise RuntimeError(f"no free port in {RENDEZVOUS_PORTS}")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid`, as /proc lists each one's children (torch's launcher starts
+    its workers in sessions of their own, so a process group would miss them)."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            listed = children.read_text().split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        for child in map(int, listed):
+            found += [child, *descendants(child)]
+    return found
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL `process` and every process below it, if it has not been waited for yet.
+    A process this test has reaped (`communicate`, `wait`, a `poll` that saw it end) no
+    longer owns its pid: with pid_max at 32768 and torch's threads drawing from the same
+    numbers, the kernel hands that pid to another test's process within minutes, and
+    killing it there killed a restarted ft worker of a test on the other xdist worker."""
+    if process.poll() is not None:
+        return
+    for pid in descendants(process.pid):  # an unreaped parent holds its pid: list below it, kill it last
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.kill()
+    process.wait(timeout=60)
 
 
 def peak_resident_growth(call) -> int:

@@ -17,7 +17,7 @@ from ciuic_train.errors import UserError
 from ciuic_train.model import ModelConfig, Transformer
 from ciuic_train.train.trainer import Trainer
 from ciuic_train.tricks import registry
-from conftest import compose_config, run_cli, torchrun, write_text_corpus
+from conftest import compose_config, kill_tree, run_cli, torchrun, write_text_corpus
 
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_windows=8", "sample.max_new_tokens=0",
         "progress=plain"]
@@ -231,7 +231,7 @@ def test_trick_change_can_be_forced(tmp_path, text_corpus):
 
 def start_training(args: list[str], metrics: Path, cwd: Path) -> subprocess.Popen:
     """`ciuic-train ARGS` in the background, returned once it has logged its first step
-    (`stop_all` ends it and whatever it started)."""
+    (`kill_tree` ends it and whatever it started)."""
     exe = os.path.join(os.path.dirname(sys.executable), "ciuic-train")
     process = subprocess.Popen([exe, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -239,26 +239,6 @@ def start_training(args: list[str], metrics: Path, cwd: Path) -> subprocess.Pope
         assert time.time() < deadline and process.poll() is None
         time.sleep(0.2)
     return process
-
-
-def stop_all(process: subprocess.Popen) -> None:
-    """Kill what `start_training` started and is still running, the CLI launcher's workers
-    included (torch starts each in a session of its own): a test that failed must not
-    leave workers training for the rest of the suite."""
-    for pid in [*descendants(process.pid), process.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes below `pid`, as /proc lists each one's children."""
-    found = []
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in map(int, children.read_text().split()):
-            found += [child, *descendants(child)]
-    return found
 
 
 def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(tmp_path, text_corpus):
@@ -271,7 +251,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_finishes(tmp_path, text_cor
     try:
         out, err = process.communicate(timeout=60)
     finally:
-        stop_all(process)
+        kill_tree(process)
     assert process.returncode == 0, err
     (checkpoint,) = (run_dir / "checkpoints").iterdir()
     assert "stopped by SIGTERM" in out and not (run_dir / "summary.json").exists()
@@ -333,7 +313,7 @@ def test_sigterm_stops_a_sweep_after_saving_the_running_job(tmp_path, text_corpu
     try:
         _, err = process.communicate(timeout=60)
     finally:
-        stop_all(process)
+        kill_tree(process)
     assert process.returncode == 1, err
     assert "sweep stopped by SIGTERM during job #0; later jobs were not started" in err
     assert any((sweep / "0" / "checkpoints").iterdir()) and not (sweep / "1").exists()

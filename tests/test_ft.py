@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_refused, compose_config, free_port, run_cli
+from conftest import assert_refused, compose_config, descendants, free_port, kill_tree, run_cli
 
 TINY = ["model=tiny", "sample.max_new_tokens=0", "train.log_every=5", "train.eval_every=1000", "progress=plain"]
 
@@ -137,16 +137,17 @@ def test_a_group_killed_between_steps_leaves_the_other_training_and_heals_on_res
     assert steps[20] > 21  # it came back at the live step, not where it died
 
 
-def _worker_pids(group: int) -> list[int]:
-    """The training processes (not torchrun) of replica group `group`, from /proc."""
+def _worker_pids(launcher: subprocess.Popen, group: int) -> list[int]:
+    """The training processes (not torchrun) of replica group `group` under `launcher`: only
+    its own, since another test's ft run may train a group of the same number beside it."""
     pids = []
-    for entry in Path("/proc").iterdir():
+    for pid in descendants(launcher.pid):
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if f"ft.group={group}".encode() in argv and b"torch.distributed.run" not in argv:
-            pids.append(int(entry.name))
+            pids.append(pid)
     return pids
 
 
@@ -169,15 +170,13 @@ def test_a_group_killed_during_a_step_costs_the_other_one_retried_step(tmp_path:
             assert launcher.poll() is None and time.monotonic() < deadline, "the run never logged a step"
             time.sleep(0.2)
         time.sleep(0.2)  # inside group 1's pause: group 0 is waiting in the exchange
-        for pid in _worker_pids(1):
+        victims = _worker_pids(launcher, 1)
+        assert victims, "group 1's worker is not among the launcher's processes"
+        for pid in victims:
             os.kill(pid, signal.SIGKILL)
         out, _ = launcher.communicate(timeout=300)
     finally:
-        if launcher.poll() is None:
-            for group in (0, 1):
-                for pid in _worker_pids(group):
-                    os.kill(pid, signal.SIGKILL)
-            launcher.kill()
+        kill_tree(launcher)
     assert launcher.returncode == 0, out[-3000:]
     survivor = metrics(run_dir)
     steps = [r["step"] for r in survivor]
