@@ -2,6 +2,9 @@
 
 # Exit status of a run that stopped itself and said why (RunFailed); 2 is a user mistake.
 RUN_FAILED_STATUS = 3
+# How every error line the command prints starts (cli/messages.py prints them; a launcher
+# that started a process reads them back from its output).
+ERROR_LINE_PREFIX = "ciuic-train: error: "
 
 
 def first_line(err: object) -> str:

@@ -2,7 +2,8 @@
 
 Two emulated hosts (scripts/cluster/netns_cluster.sh: host0 = 10.77.0.1, host1 = 10.77.0.2,
 each a network namespace, one tc tbf-limited link between them) train `model=small` with
-2 ranks, one per host, one thread each (OMP_NUM_THREADS=1), seed 0, in each layout:
+2 ranks, one per host, one thread each (OMP_NUM_THREADS=1), for each seed of `--seeds`
+(default 0,1,2), in each layout:
 
     ddp            plain DDP: torchrun --nnodes=2 --nproc_per_node=1 on each host, c10d
                    rendezvous on host0
@@ -35,11 +36,13 @@ figure is the SUM of both groups' tokens_per_s. final_val_loss is rank 0's (ddp)
 0's (ft; both groups end on the same weights, group 1's is kept too). wall_s, syncs, sync_s
 are the summaries' (ft: both groups'). The table gives, per layout and rate, the global
 tokens/s, its ratio to the same layout on the unlimited link, its ratio to ddp on the same
-link, and val_loss.
+link, and val_loss: each the mean over the seeds run, with the half-width of its 95%
+Student-t interval (ciuic_train/tools/report_stats.py, the ablation report's) where
+there are two seeds or more.
 
 Run it as root (network namespaces, tc), with nothing else busy on the cores:
 
-    sudo .venv/bin/python scripts/bench_ft_links.py                        # rates 0,1000,300,100
+    sudo .venv/bin/python scripts/bench_ft_links.py                        # rates 0,1000,300,100, seeds 0,1,2
     sudo .venv/bin/python scripts/bench_ft_links.py --rates 0,300 --steps 64 --layouts ddp,diloco_32
     sudo .venv/bin/python scripts/bench_ft_links.py --dry-run              # 8 steps, ft.sync_every=4
 
@@ -47,8 +50,9 @@ Raw results: `--out` (docs/bench/bench_ft_links.json; a dry run: /tmp/bench_ft_l
 rewritten after every run. Runs' folders and logs: `--work` (/tmp/bench_ft_links). The hosts
 are brought up if needed and brought down at the end (`--keep-up` leaves them up, unlimited).
 `--budget-min` starts no run after that many minutes; the remaining ones are listed as skipped.
-`--append` keeps the runs already in `--out` and runs only the missing or failed pairs
-(`--redo ddp@0,...` runs pairs again; the table takes the latest successful record).
+`--append` keeps the runs already in `--out` and runs only the missing or failed
+(layout, rate, seed) triples (`--redo ddp@0,...` runs a pair again for every seed asked;
+the table takes each triple's latest successful record).
 DDP runs get dist.timeout_s=60, so that a collective that hangs fails in a minute.
 """
 
@@ -65,6 +69,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from netns_claims import cluster, set_link  # the emulated hosts and their link rate
+
+from ciuic_train.tools.report_stats import mean_ci
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "scripts" / "cluster" / "netns_cluster.sh"
@@ -199,14 +205,14 @@ def tail(path: Path, n: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
 
 
-def common(args) -> list[str]:
+def common(args, seed: int = 0) -> list[str]:
     return [
-        "model=small", f"seed={args.seed}", f"train.max_steps={args.steps}", f"train.eval_every={args.steps}",
+        "model=small", f"seed={seed}", f"train.max_steps={args.steps}", f"train.eval_every={args.steps}",
         "sample.max_new_tokens=0", "progress=plain", "ckpt.every=0", f"data.cache_dir={args.work / 'cache'}",
     ]  # fmt: skip
 
 
-def run_ddp(args, run_dir: Path, overrides: list[str], port: int) -> dict:
+def run_ddp(args, run_dir: Path, overrides: list[str], port: int, seed: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # A collective that hangs (a rank gone) fails after DDP_TIMEOUT_S, not the default 300 s;
     # every all-reduce of these runs takes a few seconds at most, even at 100 Mbit/s.
@@ -217,7 +223,7 @@ def run_ddp(args, run_dir: Path, overrides: list[str], port: int) -> dict:
             cmd = [str(CLUSTER), "exec", str(h), sys.executable, "-m", "torch.distributed.run",
                    f"--nnodes={HOSTS}", "--nproc_per_node=1", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=host0:{port}", f"--rdzv-id={run_dir.name}-{os.getpid()}",
-                   "-m", "ciuic_train", *common(args), *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
+                   "-m", "ciuic_train", *common(args, seed), *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
             procs.append(subprocess.Popen(cmd, cwd=args.work, env=env, start_new_session=True,
                                           stdout=open(run_dir / f"host{h}.log", "w"), stderr=subprocess.STDOUT))  # fmt: skip
         wait_all(procs, run_dir.name, RUN_TIMEOUT_S)
@@ -235,7 +241,7 @@ def run_ddp(args, run_dir: Path, overrides: list[str], port: int) -> dict:
     }  # fmt: skip
 
 
-def run_ft(args, run_dir: Path, overrides: list[str], port: int) -> dict:
+def run_ft(args, run_dir: Path, overrides: list[str], port: int, seed: int) -> dict:
     """Both groups, a lighthouse and the start store (fresh: its count starts at 0)."""
     lighthouse_port, store_port = port, port + 1
     ready = run_dir / "serve.ready"
@@ -259,7 +265,7 @@ def run_ft(args, run_dir: Path, overrides: list[str], port: int) -> dict:
             cmd = [str(CLUSTER), "exec", str(g), sys.executable, "-m", "torch.distributed.run",
                    "--nnodes=1", "--nproc_per_node=1", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=host{g}:{port + 2 + g}", f"--rdzv-id={run_dir.name}-g{g}-{os.getpid()}",
-                   "-m", "ciuic_train", *common(args), *overrides,
+                   "-m", "ciuic_train", *common(args, seed), *overrides,
                    "ft.enabled=true", f"ft.groups={HOSTS}", f"ft.group={g}",
                    f"ft.lighthouse=http://host0:{lighthouse_port}", f"ft.checkpoints={folders[0]}",
                    f"hydra.run.dir={folder}"]  # fmt: skip
@@ -289,18 +295,19 @@ def run_ft(args, run_dir: Path, overrides: list[str], port: int) -> dict:
     }  # fmt: skip
 
 
-def one_run(args, layout: str, mbit: int, port: int) -> dict:
+def one_run(args, layout: str, mbit: int, seed: int, port: int) -> dict:
     kind, overrides = LAYOUTS[layout]
     if args.dry_run and layout in DRY_LAYOUTS:
         overrides = DRY_LAYOUTS[layout]
-    run_dir = args.work / f"{layout}-{mbit or 'unl'}"
+    run_dir = args.work / f"{layout}-{mbit or 'unl'}-s{seed}"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     run_dir.mkdir(parents=True)
     tx0 = [tx_bytes(h) for h in range(HOSTS)]
     t0 = time.monotonic()
-    record = {"layout": layout, "kind": kind, "link_mbit": mbit, "overrides": overrides, "run_dir": str(run_dir)}
+    record = {"layout": layout, "kind": kind, "link_mbit": mbit, "seed": seed, "overrides": overrides,
+              "run_dir": str(run_dir)}  # fmt: skip
     try:
-        figures = (run_ddp if kind == "ddp" else run_ft)(args, run_dir, overrides, port)
+        figures = (run_ddp if kind == "ddp" else run_ft)(args, run_dir, overrides, port, seed)
         record.update(ok=True, **figures)
     except Exception as error:  # noqa: BLE001 - one failed layout must not stop the others
         record.update(ok=False, error=str(error)[-6000:])
@@ -316,47 +323,80 @@ def one_run(args, layout: str, mbit: int, port: int) -> dict:
 # ---------------------------------------------------------------- table
 
 
-def table(records: list[dict], layouts: list[str], rates: list[int]) -> list[dict]:
+def latest(records: list[dict]) -> dict[tuple, dict]:
+    """Each (layout, rate, seed)'s latest record, a successful one before a failed one."""
     by: dict[tuple, dict] = {}
-    for r in records:  # the latest record of a (layout, rate), a successful one before a failed one
-        key = (r["layout"], r["link_mbit"])
+    for r in records:
+        key = (r["layout"], r["link_mbit"], r.get("seed", 0))  # records from before --seeds: seed 0
         if r.get("ok") or not by.get(key, {}).get("ok"):
             by[key] = r
+    return by
+
+
+def table(records: list[dict], layouts: list[str], rates: list[int]) -> list[dict]:
+    """A row per (layout, rate): means over the seeds that succeeded, with their 95% CIs."""
+    by = latest(records)
+    runs: dict[tuple, list[dict]] = {}
+    for (layout, mbit, _seed), r in sorted(by.items(), key=lambda kv: kv[0][2]):
+        runs.setdefault((layout, mbit), []).append(r)
+
+    def mean_tok(layout: str, mbit: int) -> float | None:
+        good = [r["tokens_per_s"] for r in runs.get((layout, mbit), []) if r.get("ok")]
+        return mean_ci(good)[0] if good else None
+
     rows = []
     for layout in layouts:
         for mbit in rates:
-            r = by.get((layout, mbit))
-            if r is None:
+            if (layout, mbit) not in runs:
                 continue
-            row = {"layout": layout, "link": f"{mbit} Mbit/s" if mbit else "unlimited", "ok": r.get("ok", False)}
-            if r.get("ok"):
-                tok = r["tokens_per_s"]
-                unl, ddp = by.get((layout, 0)), by.get(("ddp", mbit))
+            good = [r for r in runs[(layout, mbit)] if r.get("ok")]
+            row = {"layout": layout, "link": f"{mbit} Mbit/s" if mbit else "unlimited", "ok": bool(good),
+                   "seeds": [r.get("seed", 0) for r in good]}  # fmt: skip
+            failed = [r for r in runs[(layout, mbit)] if not r.get("ok")]
+            if failed:
+                row["failed_seeds"] = [r.get("seed", 0) for r in failed]
+                row["error"] = cause(failed[-1].get("error") or failed[-1].get("skipped") or "?")[:160]
+            if good:
+                tok, tok_ci = mean_ci([r["tokens_per_s"] for r in good])
+                losses = [r["final_val_loss"] for r in good if r.get("final_val_loss") is not None]
+                loss, loss_ci = mean_ci(losses) if losses else (None, None)
+                unl, ddp = mean_tok(layout, 0), mean_tok("ddp", mbit)
                 row.update(
-                    tok_s=round(tok),
-                    vs_unlimited=round(tok / unl["tokens_per_s"], 3) if unl and unl.get("ok") else None,
-                    vs_ddp=round(tok / ddp["tokens_per_s"], 3) if ddp and ddp.get("ok") else None,
-                    val_loss=round(r["final_val_loss"], 4) if r.get("final_val_loss") is not None else None,
-                    syncs=r.get("syncs"), sync_s=round(r["sync_s"], 2) if r.get("sync_s") is not None else None,
-                    wall_s=round(r["driver_wall_s"], 1),
+                    tok_s=round(tok), tok_s_ci=round(tok_ci) if tok_ci is not None else None,
+                    vs_unlimited=round(tok / unl, 3) if unl else None, vs_ddp=round(tok / ddp, 3) if ddp else None,
+                    val_loss=round(loss, 4) if loss is not None else None,
+                    val_loss_ci=round(loss_ci, 4) if loss_ci is not None else None,
+                    syncs=good[-1].get("syncs"),
+                    sync_s=round(good[-1]["sync_s"], 2) if good[-1].get("sync_s") is not None else None,
+                    wall_s=round(sum(r["driver_wall_s"] for r in good) / len(good), 1),
                 )  # fmt: skip
-            else:
-                row["error"] = cause(r.get("error") or r.get("skipped") or "?")[:160]
             rows.append(row)
     return rows
 
 
+def with_ci(value, half_width) -> str:
+    if value is None:
+        return ""
+    return f"{value} ± {half_width}" if half_width is not None else str(value)
+
+
 def print_table(rows: list[dict]) -> None:
-    cols = ["layout", "link", "tok_s", "vs_unlimited", "vs_ddp", "val_loss", "syncs", "sync_s", "wall_s"]
-    head = ["layout", "link", "global tok/s", "/unlimited", "/ddp same link", "val_loss", "syncs", "sync_s", "wall s"]
-    cells = [[("" if row.get(c) is None else str(row.get(c))) for c in cols] for row in rows]
+    head = ["layout", "link", "seeds", "global tok/s", "/unlimited", "/ddp same link", "val_loss", "syncs", "sync_s",
+            "wall s"]  # fmt: skip
+    cells = [[row["layout"], row["link"], ",".join(map(str, row["seeds"])),
+              with_ci(row.get("tok_s"), row.get("tok_s_ci")),
+              *("" if row.get(c) is None else str(row.get(c)) for c in ("vs_unlimited", "vs_ddp")),
+              with_ci(row.get("val_loss"), row.get("val_loss_ci")),
+              *("" if row.get(c) is None else str(row.get(c)) for c in ("syncs", "sync_s", "wall_s"))]
+             for row in rows]  # fmt: skip
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     for row, c in zip(rows, cells):
         line = "  ".join(x.ljust(w) for x, w in zip(c, widths))
-        print(line if row["ok"] else f"{row['layout']:<{widths[0]}}  {row['link']:<{widths[1]}}  FAILED: {row['error']}")
+        print(line + (f"  FAILED seeds {row['failed_seeds']}: {row['error']}" if row.get("failed_seeds") else ""))
     print("global tok/s: ddp = rank 0's summary (both ranks' tokens); ft layouts = the SUM of both groups' "
           "tokens_per_s (each group's summary counts only its own). val_loss: rank 0 / group 0, at the last step. "
+          "x ± h: the mean over the seeds and the half-width of its 95% t interval. "
           "sync_s: group 0's time standing still for exchanges. wall s: the driver's, start-up included.")
 
 
@@ -372,7 +412,7 @@ def main() -> None:
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, of: {','.join(LAYOUTS)}")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default docs/bench/bench_ft_links.json)")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench_ft_links"), help="runs' folders, logs, token cache")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every (layout, rate) runs each")
     p.add_argument("--port", type=int, default=29600, help="first port; every run takes 4 fresh ones")
     p.add_argument("--budget-min", type=float, default=0, help="start no run after this many minutes (0: no limit)")
     p.add_argument("--dry-run", action="store_true", help="8 steps, ft.sync_every=4: check the mechanics")
@@ -383,6 +423,7 @@ def main() -> None:
                                               "(the table takes the latest)")
     args = p.parse_args()
     rates = [int(x) for x in args.rates.split(",") if x.strip()]
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown:
@@ -415,11 +456,11 @@ def main() -> None:
         rates = list(dict.fromkeys([*old.get("rates_mbit", []), *rates]))
         layouts = list(dict.fromkeys([*old.get("layouts", []), *layouts]))
     redo = {tuple(x.split("@")) for x in args.redo.split(",") if x.strip()}
-    have = {(r["layout"], r["link_mbit"]) for r in records if r.get("ok")}
-    todo = [(m, x) for m in [int(y) for y in args.rates.split(",") if y.strip()]
-            for x in [y.strip() for y in args.layouts.split(",") if y.strip()]
-            if (x, m) not in have or (x, str(m)) in redo]
-    session = {**env, "session_wall_s": 0.0, "runs": [f"{x}@{m}" for m, x in todo]}
+    have = {key for key, r in latest(records).items() if r.get("ok")}
+    todo = [(m, x, seed) for m in [int(y) for y in args.rates.split(",") if y.strip()]
+            for x in [y.strip() for y in args.layouts.split(",") if y.strip()] for seed in seeds
+            if (x, m, seed) not in have or (x, str(m)) in redo]
+    session = {**env, "session_wall_s": 0.0, "runs": [f"{x}@{m} seed {seed}" for m, x, seed in todo]}
     sessions.append(session)
 
     def save() -> None:
@@ -427,11 +468,12 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         doc = {"what": "model=small, 2 ranks on 2 emulated hosts (netns, tc tbf link), 1 thread each; "
                        "tokens_per_s global (ft: sum of both groups)",
-               "env": env, "sessions": sessions, "steps": args.steps, "seed": args.seed, "rates_mbit": rates, "layouts": layouts,
+               "env": env, "sessions": sessions, "steps": args.steps, "rates_mbit": rates, "layouts": layouts,
                "total_wall_s": round(sum(x["session_wall_s"] for x in sessions), 1), "table": table(records, layouts, rates), "runs": records}  # fmt: skip
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
 
-    say(f"bench_ft_links: {len(todo)} runs ({len(layouts)} layouts x {len(rates)} rates), {args.steps} steps each; "
+    say(f"bench_ft_links: {len(todo)} runs ({len(layouts)} layouts x {len(rates)} rates x {len(seeds)} seeds), "
+        f"{args.steps} steps each; "
         f"CPU {env['cpu_model']}, avx512f {env['avx512f']}")
     cluster("up", mbit=0)
     try:
@@ -447,15 +489,16 @@ def main() -> None:
         if done.returncode != 0:
             raise SystemExit(f"bench_ft_links: the token cache run failed:\n{tail(cache_log)}")
         port, status, at = args.port, "", None
-        for mbit, layout in todo:
+        for mbit, layout, seed in todo:
             if at != mbit:
                 status, at = set_link(mbit), mbit
             if args.budget_min and time.monotonic() - t0 > args.budget_min * 60:
-                say(f"{layout} at {mbit or 'unlimited'}: skipped (past --budget-min {args.budget_min:g})")
-                records.append({"layout": layout, "link_mbit": mbit, "ok": False, "skipped": "past --budget-min"})
+                say(f"{layout} at {mbit or 'unlimited'}, seed {seed}: skipped (past --budget-min {args.budget_min:g})")
+                records.append({"layout": layout, "link_mbit": mbit, "seed": seed, "ok": False,
+                                "skipped": "past --budget-min"})  # fmt: skip
                 continue
-            say(f"{layout} at {mbit or 'unlimited'}{' Mbit/s' if mbit else ''} ...")
-            record = one_run(args, layout, mbit, port)
+            say(f"{layout} at {mbit or 'unlimited'}{' Mbit/s' if mbit else ''}, seed {seed} ...")
+            record = one_run(args, layout, mbit, seed, port)
             record["link_status"] = status.splitlines()
             if (layout, str(mbit)) in redo:
                 record["redo"] = True

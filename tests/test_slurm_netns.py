@@ -6,8 +6,10 @@ both). Slurm's commands run on host0, as on a login node. Without that cluster t
 are skipped, unless CIUIC_REQUIRE_SLURM=1 and CIUIC_REQUIRE_NETNS=1 say it must be there.
 """
 
+import contextlib
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import torchrun
+from conftest import descendants, free_port, kill_tree, torchrun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.netns]
 
@@ -156,3 +158,91 @@ def test_ft_under_hydras_slurm_launcher_spans_the_job_nodes(two_nodes, tmp_path)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-3000:]
     assert_two_groups_trained_together(sweep / "0", log)
+
+
+def test_ft_across_nodes_losing_the_lighthouses_node_stops_the_other_with_one_line(two_nodes, tmp_path):
+    """The first node's task holds the lighthouse and the job's store: with that node lost,
+    the other node's group finds no quorum within ft.quorum_timeout_s and its task ends
+    in one line, with no traceback, though the store it would report to is gone too."""
+    run_dir = tmp_path / "run"
+    out, ended_after = _lose_the_first_node(run_dir, "train.max_steps=100000", "ft.quorum_timeout_s=5")
+    second_task = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("1:")]
+    errors = [line for line in second_task if line.startswith("ciuic-train: error:")]
+    # Said by the task of node 1, though not the job's rank 0 (node 0, which would speak, is
+    # gone), with what its group said in its console.log.
+    assert len(errors) == 1 and "node 1 of 2: every replica group failed (group 1 exit code 1: " in errors[0], out[-3000:]
+    assert "no quorum from the lighthouse" in errors[0] and "within ft.quorum_timeout_s=5 s" in errors[0], errors[0]
+    assert not any("Traceback" in line for line in second_task), out[-3000:]
+    assert ended_after < 60, f"the other node took {ended_after:.0f} s to stop"  # not NODES_WAIT_S, nor a hang
+
+
+def test_ft_across_nodes_with_the_lighthouse_outside_the_job_outlives_the_first_node(two_nodes, tmp_path):
+    """A lighthouse of its own (torchft_lighthouse on host1, `ft.lighthouse=URL`): the first
+    node lost, the other node's group trains on alone to the last step and its task ends
+    well."""
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [str(CLUSTER), "exec", "1", str(Path(sys.executable).with_name("torchft_lighthouse")), "--min_replicas", "1",
+         "--bind", f"[::]:{port}", "--join_timeout_ms", "100"], env={**ENV, "RUST_LOG": "warn"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    run_dir, deadline = tmp_path / "run", time.monotonic() + 60
+    try:
+        answers = f"import urllib.request; urllib.request.urlopen('http://host1:{port}', timeout=1)"
+        while on_host0(sys.executable, "-c", answers).returncode != 0:  # host0 reaches host1 by name
+            assert lighthouse.poll() is None and time.monotonic() < deadline, "the lighthouse never answered"
+            time.sleep(0.2)
+        out, _ = _lose_the_first_node(run_dir, "train.max_steps=60", f"ft.lighthouse=http://host1:{port}")
+    finally:
+        kill_tree(lighthouse)
+    second_task = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("1:")]
+    assert not any(line.startswith("ciuic-train: error:") or "Traceback" in line for line in second_task), out[-3000:]
+    assert "the first node's store at host0" in out, out[-3000:]  # what it could not report to, said
+    records = [json.loads(line) for line in (run_dir / "group_1" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert steps == list(range(1, 61)), steps  # every step, none redone
+    assert records[0]["participants"] == 2 and records[-1]["participants"] == 1
+    assert summary(run_dir / "group_1")["steps"] == 60
+
+
+def _lose_the_first_node(run_dir: Path, *extra: str) -> tuple[str, float]:
+    """srun two ft nodes (one group each) and, once group 1 has logged 3 steps, SIGKILL the
+    first node's task and all below it, as a node that lost power would lose them (slurmd
+    lives on); the job's output (each line labelled by its task) and the seconds from the
+    loss to the job's end. No --kill-on-bad-exit: Slurm would end the other task itself."""
+    command = [str(CLUSTER), "exec", "0", "srun", "-N", "2", "--ntasks-per-node=1", "--label",
+               f"--job-name=srun-ft-lost-{uuid.uuid4().hex[:8]}", "ciuic-train", *RUN, "train.log_every=1",
+               "ft.enabled=true", "ft.groups=2", "ft.timeout_s=2", "fault.slow_rank=0", "fault.slow_s=0.05", *extra,
+               f"hydra.run.dir={run_dir}"]  # fmt: skip
+    job = subprocess.Popen(command, cwd=run_dir.parent, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)  # fmt: skip
+    try:
+        deadline, second = time.monotonic() + 180, run_dir / "group_1" / "metrics.jsonl"
+        while not second.is_file() or len(second.read_text().splitlines()) < 3:
+            if job.poll() is not None or time.monotonic() > deadline:
+                kill_tree(job)
+                raise AssertionError(f"group 1 never logged 3 steps:\n{job.stdout.read()[-3000:]}")
+            time.sleep(0.1)
+        first_task = _task_on_host0(run_dir)
+        lost = time.monotonic()
+        for pid in [*descendants(first_task), first_task]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, _ = job.communicate(timeout=180)
+        return out, time.monotonic() - lost
+    finally:
+        kill_tree(job)
+
+
+def _task_on_host0(run_dir: Path) -> int:
+    """The job's task on host0: the `ciuic-train` of this run that slurmstepd started there."""
+    pids = subprocess.run(["ip", "netns", "pids", "ciuic-host0"], capture_output=True, text=True).stdout.split()
+    for pid in map(int, pids):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent_name = Path(f"/proc/{parent}/comm").read_text().strip()
+        except (OSError, IndexError):
+            continue
+        if parent_name == "slurmstepd" and f"hydra.run.dir={run_dir}".encode() in argv:
+            return pid
+    raise AssertionError(f"no task of {run_dir} on host0 among {pids}")

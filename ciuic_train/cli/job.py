@@ -52,6 +52,9 @@ def hydra_job(cfg: DictConfig) -> float:
             summary = _train_in_this_process(cfg, config, run_dir)
     except UserError as err:
         fail(str(err))
+    except launch.NodeFailed as err:
+        print_error(str(err))
+        sys.exit(1)
     except launch.WorkersFailed as err:
         fail(str(err), status=1)
     except RunFailed as err:

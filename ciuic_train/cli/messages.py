@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ciuic_train.cli.flags import PROG
 from ciuic_train.config import Config
-from ciuic_train.errors import UserError, first_line
+from ciuic_train.errors import ERROR_LINE_PREFIX, UserError, first_line
 from ciuic_train.environment import launcher_rank
 
 
@@ -34,7 +34,7 @@ def fail(message: str, status: int = 2) -> None:
 
 def print_error(message: str) -> None:
     """The one shape of every error line the command prints: `ciuic-train: error: ...`."""
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    print(f"{ERROR_LINE_PREFIX}{message}", file=sys.stderr)
 
 
 def print_warning(message: str) -> None:

@@ -55,7 +55,7 @@ from typing import Any, Iterator
 from ciuic_train.launch import runlock
 from ciuic_train.config import Config
 from ciuic_train.environment import launcher_rank, uses_agent_store
-from ciuic_train.errors import RUN_FAILED_STATUS, RunFailed, UserError
+from ciuic_train.errors import ERROR_LINE_PREFIX, RUN_FAILED_STATUS, RunFailed, UserError
 from ciuic_train.launch.overrides import quote_override
 from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task, in_slurm_task
 
@@ -253,7 +253,12 @@ def _start_replica_groups(config: Config, run_dir: Path, share: Any) -> dict[str
 
     runlock.lend_to_children(run_dir)
     codes, stopped_by = start_replica_groups(config, run_dir, list(HydraConfig.get().overrides.task), share)
-    return _replica_groups_result(codes, stopped_by, config, run_dir)
+    try:
+        return _replica_groups_result(codes, stopped_by, config, run_dir)
+    except WorkersFailed as err:
+        if share is None or share.nodes == 1:
+            raise
+        raise NodeFailed(f"node {share.node} of {share.nodes}: {err}") from None
 
 
 def _replica_groups_result(codes: dict[int, int], stopped_by: str | None, config: Config,
@@ -267,7 +272,8 @@ def _replica_groups_result(codes: dict[int, int], stopped_by: str | None, config
         return {"stopped_by": stopped_by, "final_val_loss": float("nan")}
     finished = [group for group, code in codes.items() if code == 0]
     if not finished:
-        failed = ", ".join(f"group {group} exit code {code}" for group, code in codes.items())
+        failed = "; ".join(f"group {group} exit code {code}{_said(group_folder(run_dir, group))}"
+                           for group, code in codes.items())
         raise WorkersFailed(f"every replica group failed ({failed}); see {run_dir / 'train.log'} and "
                             f"{run_dir}/group_*/train.log")
     first = min(codes)
@@ -275,6 +281,15 @@ def _replica_groups_result(codes: dict[int, int], stopped_by: str | None, config
         log.warning(f"replica group {first} failed (exit code {codes[first]}); the run's summary is group "
                     f"{finished[0]}'s")
     return workers_result(group_folder(run_dir, finished[0]), config.train.max_steps)
+
+
+def _said(group_dir: Path) -> str:
+    """`: LINE`, the last error line a replica group printed into its console.log (groups
+    after the first print there, not on this terminal), or nothing."""
+    console = group_dir / "console.log"
+    lines = console.read_text(errors="replace").splitlines() if console.is_file() else []
+    said = [line.removeprefix(ERROR_LINE_PREFIX) for line in lines if line.startswith(ERROR_LINE_PREFIX)]
+    return f": {said[-1]}" if said else ""
 
 
 def workers_result(run_dir: Path, max_steps: int) -> dict[str, Any]:
@@ -318,6 +333,11 @@ def current() -> LaunchPath:
 
 class WorkersFailed(Exception):
     """Workers this process started crashed; the message names each failed rank."""
+
+
+class NodeFailed(WorkersFailed):
+    """Every replica group one node's task started failed. Said by that task whatever its
+    rank: the nodes of an `ft` job fail apart, and the first node may be the one lost."""
 
 
 def reported_exit_status(exit_codes: dict[int, int]) -> int | None:

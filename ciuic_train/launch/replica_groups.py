@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ciuic_train.config import Config
-from ciuic_train.errors import UserError
+from ciuic_train.errors import UserError, first_line
 from ciuic_train.ft.config import START_STORE
 from ciuic_train.launch.overrides import quote_override
 
@@ -208,14 +208,39 @@ def _meeting_point(share: NodeShare, ft) -> tuple[object, object, str]:
 
 def _leave(store, lighthouse, share: NodeShare) -> None:
     """This node's groups ended: say so; the lighthouse's node waits for the others'
-    (at most `NODES_WAIT_S`) before it stops the lighthouse."""
-    ended = store.add(NODES_ENDED_KEY, 1) if share.nodes > 1 else 1
-    deadline = time.monotonic() + NODES_WAIT_S
-    while lighthouse is not None and ended < share.nodes and time.monotonic() < deadline:
-        time.sleep(0.2)
-        ended = store.add(NODES_ENDED_KEY, 0)
-    if lighthouse is not None:
-        lighthouse.shutdown()
+    (at most `NODES_WAIT_S`) before it stops the lighthouse. Where the first node was lost,
+    its store went with it: nothing to report to (a probe first, as a store call to a
+    closed port prints torch's C++ stack on the terminal)."""
+    if lighthouse is None and share.nodes > 1 and not _answers(share.head, share.port):
+        log.warning(f"node {share.node}: the first node's store at {share.head}:{share.port} is gone: that node "
+                    "was lost")
+        return
+    from torch.distributed import DistError
+
+    try:
+        ended = store.add(NODES_ENDED_KEY, 1) if share.nodes > 1 else 1
+        deadline = time.monotonic() + NODES_WAIT_S
+        while lighthouse is not None and ended < share.nodes and time.monotonic() < deadline:
+            time.sleep(0.2)
+            ended = store.add(NODES_ENDED_KEY, 0)
+    except DistError as err:  # gone between the probe and the call
+        log.warning(f"node {share.node}: the first node's store at {share.head}:{share.port} is gone "
+                    f"({first_line(err)})")
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
+
+
+def _answers(host: str, port: int, timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to host:port opens within `timeout_s` (a node powered off
+    drops the packets: the timeout; a node whose processes died: refused at once)."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def _count(number: int, noun: str) -> str:
