@@ -197,45 +197,44 @@ def one_thread():
 
 # Two tests at a time (`pytest -n 2`, pytest-xdist; docs/development.md): a slow test spends much of
 # its time starting processes and waiting on them, and one test at a time leaves about a
-# quarter of 2 cores idle. What must not run side by side is kept apart here. Each test
-# goes to a worker with its group, and a group's tests run one after another:
-# - the tests of one module form one group, in their written order, so a module-scoped
-#   fixture (a reference run, `made_once`) is made once;
-# - the tests on a cluster (the one-node Slurm, the emulated hosts and the Slurm on them)
-#   form one group: they wait for idle nodes, set the links' rates and kill hosts;
+# quarter of 2 cores idle. What must not run side by side is kept apart here:
+# - the tests of one file run on one worker, in their written order (xdist's `loadfile`
+#   distribution), so a module-scoped fixture (a reference run, `made_once`) is made once;
+# - the tests on a cluster (the one-node Slurm, the emulated hosts and the Slurm on them),
+#   in whichever file, take the clusters' lock: one at a time, as they wait for idle
+#   nodes, set the links' rates and kill hosts;
 # - a test marked `alone` (8 ranks of a model bigger than one rank: most of the machine's
 #   memory) runs with no test beside it: every other test holds a shared lock on the
 #   machine, it an exclusive one.
+# Locks, not xdist's groups: xdist 3.8 writes a test's `xdist_group` into `item._nodeid`,
+# which pytest 9.2 no longer reads, so its `loadgroup` sends each test on its own
+# (tests/test_suite_scheduling.py runs two workers to hold all three to it).
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under `-n` the groups below hold only with xdist's `loadgroup` distribution."""
+    """Under `-n`, a file's tests go to one worker."""
     if getattr(config.option, "dist", "no") != "no":
-        config.option.dist = "loadgroup"
+        config.option.dist = "loadfile"
 
 
 def on_a_cluster(item: pytest.Item) -> bool:
     return bool(item.get_closest_marker("slurm") or item.get_closest_marker("netns"))
 
 
-def worker_group(item: pytest.Item) -> str:
-    return "clusters" if on_a_cluster(item) else item.module.__name__
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that need a cluster (Slurm, emulated hosts) start several processes by nature:
     they are slow too, so `pytest -m "not slow"` leaves them out without listing each."""
     for item in items:
         if on_a_cluster(item):
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
 
 
-def machine_lock_files(run: str) -> tuple[Path, Path]:
-    """The gate and the share lock of `pytest -n` run `run`, in the system's temp folder."""
+def machine_lock_files(run: str) -> tuple[Path, Path, Path]:
+    """The gate and the share lock of `pytest -n` run `run`, and its clusters' lock, in the
+    system's temp folder."""
     folder = Path(tempfile.gettempdir())
-    return folder / f"ciuic-tests-{run}.gate", folder / f"ciuic-tests-{run}.share"
+    return tuple(folder / f"ciuic-tests-{run}.{name}" for name in ("gate", "share", "clusters"))
 
 
 @contextlib.contextmanager
@@ -244,7 +243,7 @@ def machine_share(run: str, exclusive: bool):
     lock on two files (flock). A test takes the share lock shared, a test marked `alone`
     exclusive; the gate in front of it is held by an exclusive taker while it waits and
     runs, so tests that keep arriving on the other worker cannot starve it."""
-    gate_file, share_file = machine_lock_files(run)
+    gate_file, share_file, _ = machine_lock_files(run)
     with open(gate_file, "a") as gate, open(share_file, "a") as share:
         fcntl.flock(gate, fcntl.LOCK_EX)
         if exclusive:
@@ -255,12 +254,24 @@ def machine_share(run: str, exclusive: bool):
         yield  # closing the files releases both
 
 
+@contextlib.contextmanager
+def clusters_turn(run: str):
+    """The clusters, to one test of a `pytest -n` run at a time (an exclusive flock)."""
+    with open(machine_lock_files(run)[2], "a") as clusters:
+        fcntl.flock(clusters, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    """Setup (module fixtures included), call and teardown under the machine's lock, when
-    the test runs in a worker of `pytest -n`."""
+    """Setup (module fixtures included), call and teardown under the machine's lock (and a
+    cluster test under the clusters' lock), when the test runs in a worker of `pytest -n`."""
     worker = getattr(item.config, "workerinput", None)  # set in xdist's workers only
     if worker is None:
         return (yield)
-    with machine_share(worker["testrunuid"], exclusive=item.get_closest_marker("alone") is not None):
+    run = worker["testrunuid"]
+    with contextlib.ExitStack() as held:
+        if on_a_cluster(item):  # first: waiting for the clusters holds no share an `alone` test waits for
+            held.enter_context(clusters_turn(run))
+        held.enter_context(machine_share(run, exclusive=item.get_closest_marker("alone") is not None))
         return (yield)

@@ -1,19 +1,21 @@
 """The suite's own scheduling under `pytest -n 2` (tests/conftest.py): the machine's
-readers-writer lock, probed without blocking, the groups tests are sent to workers by, and
-the clean-up that must not reach another test's processes."""
+readers-writer lock and the clusters' lock, probed without blocking; two real workers held
+to what conftest.py promises of them; and the clean-up that must not reach another test's
+processes."""
 
 import fcntl
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from conftest import descendants, kill_tree, machine_lock_files, machine_share, worker_group
+from conftest import clusters_turn, descendants, kill_tree, machine_lock_files, machine_share
 
 
 def can_take(path: Path, mode: int) -> bool:
@@ -29,10 +31,10 @@ def can_take(path: Path, mode: int) -> bool:
 @pytest.fixture
 def lock_files():
     run = f"probe-{uuid.uuid4().hex}"
-    gate, share = machine_lock_files(run)
+    gate, share, clusters = machine_lock_files(run)
     yield run, gate, share
-    gate.unlink(missing_ok=True)
-    share.unlink(missing_ok=True)
+    for path in (gate, share, clusters):
+        path.unlink(missing_ok=True)
 
 
 def test_tests_beside_each_other_share_the_machine_and_keep_the_gate_open(lock_files):
@@ -52,23 +54,62 @@ def test_a_test_alone_excludes_every_other_and_holds_the_gate(lock_files):
     assert can_take(share, fcntl.LOCK_SH) and can_take(gate, fcntl.LOCK_EX)
 
 
-class _Item:
-    """What worker_group reads of a test: its markers and its module."""
-
-    def __init__(self, module: str, *markers: str):
-        self.module = SimpleNamespace(__name__=module)
-        self.markers = set(markers)
-
-    def get_closest_marker(self, name: str):
-        return name if name in self.markers else None
+def test_one_cluster_test_at_a_time_and_it_holds_no_share_of_the_machine(lock_files):
+    run, _gate, share = lock_files
+    clusters = machine_lock_files(run)[2]
+    with clusters_turn(run):
+        assert not can_take(clusters, fcntl.LOCK_EX)  # a cluster test on the other worker waits
+        assert can_take(share, fcntl.LOCK_EX)  # while it waits for its turn, an `alone` test may run
+    assert can_take(clusters, fcntl.LOCK_EX)
 
 
-def test_cluster_tests_share_one_group_and_the_rest_go_by_module():
-    assert worker_group(_Item("tests.test_slurm", "slurm")) == "clusters"
-    assert worker_group(_Item("tests.test_netns", "netns")) == "clusters"
-    assert worker_group(_Item("tests.test_slurm_netns", "slurm", "netns")) == "clusters"
-    assert worker_group(_Item("tests.test_slurm")) == "tests.test_slurm"
-    assert worker_group(_Item("tests.test_pipeline", "slow")) == "tests.test_pipeline"
+# Files of an inner `pytest -n 2` run on tests/conftest.py: each test logs where and when it ran.
+INNER_TEST = """
+import json, os, time, pytest
+def record(request):
+    start = time.time()
+    time.sleep(0.5)
+    with open(os.environ["SCHEDULING_LOG"], "a") as log:
+        log.write(json.dumps({{"test": request.node.nodeid, "worker": os.environ["PYTEST_XDIST_WORKER"],
+                              "start": start, "end": time.time()}}) + "\\n")
+{tests}
+"""
+
+
+@pytest.mark.slow
+def test_two_workers_keep_a_file_together_and_cluster_and_alone_tests_apart(tmp_path):
+    """Two files on two real xdist workers, one file each, both with cluster tests and one
+    with an `alone` test: each file's tests run on one worker in their written order, no
+    two cluster tests run at once, and nothing runs beside the `alone` test."""
+    plain = [f"def test_{i}(request): record(request)" for i in range(2)]
+    cluster = [f"@pytest.mark.{mark}\ndef test_{mark}_{i}(request): record(request)"
+               for i in range(2) for mark in ("slurm", "netns")]
+    alone = ["@pytest.mark.alone\ndef test_alone(request): record(request)"]
+    files = {"test_c.py": plain + cluster, "test_d.py": cluster + alone + plain}
+    for name, tests in files.items():
+        (tmp_path / name).write_text(INNER_TEST.format(tests="\n".join(tests)))
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    log = tmp_path / "log.jsonl"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider",
+                             "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
+                            cwd=tmp_path, env={**os.environ, "SCHEDULING_LOG": str(log)}, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda r: r["start"])
+    for name, tests in files.items():
+        ran = [r for r in runs if r["test"].startswith(f"{name}::")]
+        written = [test.split("def ", 1)[1].split("(", 1)[0] for test in tests]
+        assert [r["test"].split("::")[1] for r in ran] == written, ran
+        assert len({r["worker"] for r in ran}) == 1, ran
+    assert {r["worker"] for r in runs} == {"gw0", "gw1"}  # a file each: the clusters' lock is what kept them apart
+
+    def overlap(x: dict, y: dict) -> bool:
+        return x["start"] < y["end"] and y["start"] < x["end"]
+
+    clustered = [r for r in runs if "_slurm_" in r["test"] or "_netns_" in r["test"]]
+    assert not any(overlap(x, y) for x in clustered for y in clustered if x is not y), clustered
+    (lone,) = [r for r in runs if r["test"].endswith("::test_alone")]
+    assert not any(overlap(lone, other) for other in runs if other is not lone), runs
 
 
 def test_kill_tree_reaches_a_grandchild_in_a_session_of_its_own():
