@@ -334,41 +334,54 @@ def latest(records: list[dict]) -> dict[tuple, dict]:
 
 
 def table(records: list[dict], layouts: list[str], rates: list[int]) -> list[dict]:
-    """A row per (layout, rate): means over the seeds that succeeded, with their 95% CIs."""
-    by = latest(records)
-    runs: dict[tuple, list[dict]] = {}
-    for (layout, mbit, _seed), r in sorted(by.items(), key=lambda kv: kv[0][2]):
-        runs.setdefault((layout, mbit), []).append(r)
+    """A row per (layout, rate): means over the seeds that succeeded, with their 95% CIs.
+    Ratios are taken seed by seed, over the seeds both sides ran (a seed's runs ran in one
+    sitting, so a ratio compares runs of one machine state), then averaged. Runs skipped
+    past --budget-min are neither results nor failures: left out."""
+    by = latest([r for r in records if not r.get("skipped")])
+    runs: dict[tuple, dict[int, dict]] = {}
+    for (layout, mbit, seed), r in by.items():
+        runs.setdefault((layout, mbit), {})[seed] = r
 
-    def mean_tok(layout: str, mbit: int) -> float | None:
-        good = [r["tokens_per_s"] for r in runs.get((layout, mbit), []) if r.get("ok")]
-        return mean_ci(good)[0] if good else None
+    def good(layout: str, mbit: int) -> dict[int, dict]:
+        return {seed: r for seed, r in runs.get((layout, mbit), {}).items() if r.get("ok")}
+
+    def paired(mine: dict[int, dict], theirs: dict[int, dict], key: str) -> tuple[float | None, float | None]:
+        """Mean of mine/theirs - 1 over the seeds both have, and its CI half-width."""
+        ratios = [mine[s][key] / theirs[s][key] - 1 for s in sorted(mine.keys() & theirs.keys())
+                  if mine[s].get(key) is not None and theirs[s].get(key) is not None]
+        return mean_ci(ratios) if ratios else (None, None)
 
     rows = []
     for layout in layouts:
         for mbit in rates:
             if (layout, mbit) not in runs:
                 continue
-            good = [r for r in runs[(layout, mbit)] if r.get("ok")]
-            row = {"layout": layout, "link": f"{mbit} Mbit/s" if mbit else "unlimited", "ok": bool(good),
-                   "seeds": [r.get("seed", 0) for r in good]}  # fmt: skip
-            failed = [r for r in runs[(layout, mbit)] if not r.get("ok")]
+            ok = good(layout, mbit)
+            row = {"layout": layout, "link": f"{mbit} Mbit/s" if mbit else "unlimited", "ok": bool(ok),
+                   "seeds": sorted(ok)}  # fmt: skip
+            failed = [r for seed, r in sorted(runs[(layout, mbit)].items()) if not r.get("ok")]
             if failed:
                 row["failed_seeds"] = [r.get("seed", 0) for r in failed]
-                row["error"] = cause(failed[-1].get("error") or failed[-1].get("skipped") or "?")[:160]
-            if good:
-                tok, tok_ci = mean_ci([r["tokens_per_s"] for r in good])
-                losses = [r["final_val_loss"] for r in good if r.get("final_val_loss") is not None]
+                row["error"] = cause(failed[-1].get("error") or "?")[:160]
+            if ok:
+                last = ok[max(ok)]
+                tok, tok_ci = mean_ci([r["tokens_per_s"] for r in ok.values()])
+                losses = [r["final_val_loss"] for r in ok.values() if r.get("final_val_loss") is not None]
                 loss, loss_ci = mean_ci(losses) if losses else (None, None)
-                unl, ddp = mean_tok(layout, 0), mean_tok("ddp", mbit)
+                vs_unl, _ = paired(ok, good(layout, 0), "tokens_per_s")
+                vs_ddp, _ = paired(ok, good("ddp", mbit), "tokens_per_s")
+                loss_vs_ddp, loss_vs_ddp_ci = paired(ok, good("ddp", mbit), "final_val_loss")
                 row.update(
                     tok_s=round(tok), tok_s_ci=round(tok_ci) if tok_ci is not None else None,
-                    vs_unlimited=round(tok / unl, 3) if unl else None, vs_ddp=round(tok / ddp, 3) if ddp else None,
+                    vs_unlimited=round(1 + vs_unl, 3) if vs_unl is not None else None,
+                    vs_ddp=round(1 + vs_ddp, 3) if vs_ddp is not None else None,
                     val_loss=round(loss, 4) if loss is not None else None,
                     val_loss_ci=round(loss_ci, 4) if loss_ci is not None else None,
-                    syncs=good[-1].get("syncs"),
-                    sync_s=round(good[-1]["sync_s"], 2) if good[-1].get("sync_s") is not None else None,
-                    wall_s=round(sum(r["driver_wall_s"] for r in good) / len(good), 1),
+                    val_loss_vs_ddp_pct=round(100 * loss_vs_ddp, 1) if loss_vs_ddp is not None else None,
+                    val_loss_vs_ddp_pct_ci=round(100 * loss_vs_ddp_ci, 1) if loss_vs_ddp_ci is not None else None,
+                    syncs=last.get("syncs"), sync_s=round(last["sync_s"], 2) if last.get("sync_s") is not None else None,
+                    wall_s=round(sum(r["driver_wall_s"] for r in ok.values()) / len(ok), 1),
                 )  # fmt: skip
             rows.append(row)
     return rows
@@ -381,12 +394,13 @@ def with_ci(value, half_width) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ["layout", "link", "seeds", "global tok/s", "/unlimited", "/ddp same link", "val_loss", "syncs", "sync_s",
-            "wall s"]  # fmt: skip
+    head = ["layout", "link", "seeds", "global tok/s", "/unlimited", "/ddp same link", "val_loss", "vs ddp %",
+            "syncs", "sync_s", "wall s"]  # fmt: skip
     cells = [[row["layout"], row["link"], ",".join(map(str, row["seeds"])),
               with_ci(row.get("tok_s"), row.get("tok_s_ci")),
               *("" if row.get(c) is None else str(row.get(c)) for c in ("vs_unlimited", "vs_ddp")),
               with_ci(row.get("val_loss"), row.get("val_loss_ci")),
+              with_ci(row.get("val_loss_vs_ddp_pct"), row.get("val_loss_vs_ddp_pct_ci")),
               *("" if row.get(c) is None else str(row.get(c)) for c in ("syncs", "sync_s", "wall_s"))]
              for row in rows]  # fmt: skip
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)]
@@ -396,7 +410,8 @@ def print_table(rows: list[dict]) -> None:
         print(line + (f"  FAILED seeds {row['failed_seeds']}: {row['error']}" if row.get("failed_seeds") else ""))
     print("global tok/s: ddp = rank 0's summary (both ranks' tokens); ft layouts = the SUM of both groups' "
           "tokens_per_s (each group's summary counts only its own). val_loss: rank 0 / group 0, at the last step. "
-          "x ± h: the mean over the seeds and the half-width of its 95% t interval. "
+          "x ± h: the mean over the seeds and the half-width of its 95% t interval. /unlimited, /ddp and "
+          "vs ddp %: seed by seed (one sitting each), over the seeds both ran, then averaged. "
           "sync_s: group 0's time standing still for exchanges. wall s: the driver's, start-up included.")
 
 
