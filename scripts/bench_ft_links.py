@@ -36,7 +36,8 @@ figure is the SUM of both groups' tokens_per_s. final_val_loss is rank 0's (ddp)
 0's (ft; both groups end on the same weights, group 1's is kept too). wall_s, syncs, sync_s
 are the summaries' (ft: both groups'). The table gives, per layout and rate, the global
 tokens/s, its ratio to the same layout on the unlimited link, its ratio to ddp on the same
-link, and val_loss: each the mean over the seeds run, with the half-width of its 95%
+link, val_loss, and val_loss against ddp's in %: each the mean over the seeds run (a ratio
+taken seed by seed, over the seeds both sides ran), with the half-width of its 95%
 Student-t interval (ciuic_train/tools/report_stats.py, the ablation report's) where
 there are two seeds or more.
 
@@ -335,8 +336,8 @@ def latest(records: list[dict]) -> dict[tuple, dict]:
 
 def table(records: list[dict], layouts: list[str], rates: list[int]) -> list[dict]:
     """A row per (layout, rate): means over the seeds that succeeded, with their 95% CIs.
-    Ratios are taken seed by seed, over the seeds both sides ran (a seed's runs ran in one
-    sitting, so a ratio compares runs of one machine state), then averaged. Runs skipped
+    Ratios are taken seed by seed, over the seeds both sides ran, then averaged: run
+    seed by seed (`--seeds`), each pair shares a sitting unless --append added one side later. Runs skipped
     past --budget-min are neither results nor failures: left out."""
     by = latest([r for r in records if not r.get("skipped")])
     runs: dict[tuple, dict[int, dict]] = {}
@@ -411,7 +412,7 @@ def print_table(rows: list[dict]) -> None:
     print("global tok/s: ddp = rank 0's summary (both ranks' tokens); ft layouts = the SUM of both groups' "
           "tokens_per_s (each group's summary counts only its own). val_loss: rank 0 / group 0, at the last step. "
           "x ± h: the mean over the seeds and the half-width of its 95% t interval. /unlimited, /ddp and "
-          "vs ddp %: seed by seed (one sitting each), over the seeds both ran, then averaged. "
+          "vs ddp %: seed by seed, over the seeds both ran, then averaged. "
           "sync_s: group 0's time standing still for exchanges. wall s: the driver's, start-up included.")
 
 
