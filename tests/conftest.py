@@ -205,16 +205,35 @@ def one_thread():
 #   nodes, set the links' rates and kill hosts;
 # - a test marked `alone` (8 ranks of a model bigger than one rank: most of the machine's
 #   memory) runs with no test beside it: every other test holds a shared lock on the
-#   machine, it an exclusive one.
+#   machine, it an exclusive one;
+# - the files go out longest first, so that the run does not end on one worker still
+#   busy with a long file while the other has nothing left (xdist's own order, most tests
+#   first, sent the few-but-long files last).
 # Locks, not xdist's groups: xdist 3.8 writes a test's `xdist_group` into `item._nodeid`,
 # which pytest 9.2 no longer reads, so its `loadgroup` sends each test on its own
-# (tests/test_suite_scheduling.py runs two workers to hold all three to it).
+# (tests/test_suite_scheduling.py runs two workers to hold all four to it).
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under `-n`, a file's tests go to one worker."""
+    """Under `-n`, a file's tests go to one worker, the files in the order collected."""
     if getattr(config.option, "dist", "no") != "no":
         config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
+
+
+# What a test is expected to take: a slow one starts processes or compiles (5-110 s
+# here, most 20-50 s), another takes well under a second.
+SLOW_TEST_S, QUICK_TEST_S = 30.0, 0.5
+
+
+def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The items, files in the order of their expected time, longest first (the same
+    order on every worker); each file's tests stay in their written order."""
+    expected: dict[str, float] = {}
+    for item in items:
+        file = item.nodeid.split("::", 1)[0]
+        expected[file] = expected.get(file, 0.0) + (SLOW_TEST_S if item.get_closest_marker("slow") else QUICK_TEST_S)
+    return sorted(items, key=lambda item: -expected[item.nodeid.split("::", 1)[0]])  # stable: written order kept
 
 
 def on_a_cluster(item: pytest.Item) -> bool:
@@ -222,12 +241,16 @@ def on_a_cluster(item: pytest.Item) -> bool:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that need a cluster (Slurm, emulated hosts) start several processes by nature:
-    they are slow too, so `pytest -m "not slow"` leaves them out without listing each."""
+    they are slow too, so `pytest -m "not slow"` leaves them out without listing each.
+    In the workers of `pytest -n` (which collect, the controller does not), the longest
+    files first."""
     for item in items:
         if on_a_cluster(item):
             item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput"):
+        items[:] = longest_files_first(items)
 
 
 def machine_lock_files(run: str) -> tuple[Path, Path, Path]:

@@ -78,14 +78,17 @@ def record(request):
 
 @pytest.mark.slow
 def test_two_workers_keep_a_file_together_and_cluster_and_alone_tests_apart(tmp_path):
-    """Two files on two real xdist workers, one file each, both with cluster tests and one
-    with an `alone` test: each file's tests run on one worker in their written order, no
-    two cluster tests run at once, and nothing runs beside the `alone` test."""
+    """Three files on two real xdist workers: two with cluster (slow) tests, one with an
+    `alone` test, and a file of more but quick tests. The two long files go out first, one
+    to each worker, the quick one after them (xdist's own order, most tests first, and the
+    collected order would both send it first); each file's tests run on one worker in their
+    written order, no two cluster tests run at once, and nothing runs beside the `alone` test."""
     plain = [f"def test_{i}(request): record(request)" for i in range(2)]
     cluster = [f"@pytest.mark.{mark}\ndef test_{mark}_{i}(request): record(request)"
                for i in range(2) for mark in ("slurm", "netns")]
     alone = ["@pytest.mark.alone\ndef test_alone(request): record(request)"]
-    files = {"test_c.py": plain + cluster, "test_d.py": cluster + alone + plain}
+    quick = [f"def test_quick_{i}(request): record(request)" for i in range(8)]
+    files = {"test_a.py": quick, "test_c.py": plain + cluster, "test_d.py": cluster + alone + plain}
     for name, tests in files.items():
         (tmp_path / name).write_text(INNER_TEST.format(tests="\n".join(tests)))
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
@@ -102,6 +105,8 @@ def test_two_workers_keep_a_file_together_and_cluster_and_alone_tests_apart(tmp_
         assert [r["test"].split("::")[1] for r in ran] == written, ran
         assert len({r["worker"] for r in ran}) == 1, ran
     assert {r["worker"] for r in runs} == {"gw0", "gw1"}  # a file each: the clusters' lock is what kept them apart
+    began = {name: min(r["start"] for r in runs if r["test"].startswith(f"{name}::")) for name in files}
+    assert began["test_a.py"] > max(began["test_c.py"], began["test_d.py"]), began  # handed out once a worker ran low
 
     def overlap(x: dict, y: dict) -> bool:
         return x["start"] < y["end"] and y["start"] < x["end"]
