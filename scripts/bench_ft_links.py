@@ -336,9 +336,9 @@ def latest(records: list[dict]) -> dict[tuple, dict]:
 
 def table(records: list[dict], layouts: list[str], rates: list[int]) -> list[dict]:
     """A row per (layout, rate): means over the seeds that succeeded, with their 95% CIs.
-    Ratios are taken seed by seed, over the seeds both sides ran, then averaged: run
-    seed by seed (`--seeds`), each pair shares a sitting unless --append added one side later. Runs skipped
-    past --budget-min are neither results nor failures: left out."""
+    Ratios are taken seed by seed, over the seeds both sides ran, then averaged, so that
+    the machine's drift between sittings (`--append`) stays out of a ratio's mean. Runs
+    skipped past --budget-min are neither results nor failures: left out."""
     by = latest([r for r in records if not r.get("skipped")])
     runs: dict[tuple, dict[int, dict]] = {}
     for (layout, mbit, seed), r in by.items():
@@ -370,9 +370,10 @@ def table(records: list[dict], layouts: list[str], rates: list[int]) -> list[dic
                 tok, tok_ci = mean_ci([r["tokens_per_s"] for r in ok.values()])
                 losses = [r["final_val_loss"] for r in ok.values() if r.get("final_val_loss") is not None]
                 loss, loss_ci = mean_ci(losses) if losses else (None, None)
+                ddp = good("ddp", mbit)
                 vs_unl, _ = paired(ok, good(layout, 0), "tokens_per_s")
-                vs_ddp, _ = paired(ok, good("ddp", mbit), "tokens_per_s")
-                loss_vs_ddp, loss_vs_ddp_ci = paired(ok, good("ddp", mbit), "final_val_loss")
+                vs_ddp, _ = paired(ok, ddp, "tokens_per_s")
+                loss_vs_ddp, loss_vs_ddp_ci = paired(ok, ddp, "final_val_loss")
                 row.update(
                     tok_s=round(tok), tok_s_ci=round(tok_ci) if tok_ci is not None else None,
                     vs_unlimited=round(1 + vs_unl, 3) if vs_unl is not None else None,

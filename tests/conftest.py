@@ -229,11 +229,11 @@ SLOW_TEST_S, QUICK_TEST_S = 30.0, 0.5
 def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
     """The items, files in the order of their expected time, longest first (the same
     order on every worker); each file's tests stay in their written order."""
-    expected: dict[str, float] = {}
+    expected: dict[Path, float] = {}
     for item in items:
-        file = item.nodeid.split("::", 1)[0]
-        expected[file] = expected.get(file, 0.0) + (SLOW_TEST_S if item.get_closest_marker("slow") else QUICK_TEST_S)
-    return sorted(items, key=lambda item: -expected[item.nodeid.split("::", 1)[0]])  # stable: written order kept
+        expected[item.path] = expected.get(item.path, 0.0) + (
+            SLOW_TEST_S if item.get_closest_marker("slow") else QUICK_TEST_S)
+    return sorted(items, key=lambda item: -expected[item.path])  # stable: written order kept
 
 
 def on_a_cluster(item: pytest.Item) -> bool:
