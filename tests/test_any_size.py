@@ -99,7 +99,9 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(workdir) -> Path:
     run_dir = workdir / "big"
-    result = run(workdir, *SHARDED, "train.max_steps=2", f"hydra.run.dir={run_dir}")
+    # One step reaches the peak: the gradients and AdamW's state (made in the first step)
+    # are held at once in each step's update; the resume below takes the second.
+    result = run(workdir, *SHARDED, "train.max_steps=1", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -115,14 +117,14 @@ def test_it_trains_on_eight_ranks_within_the_limit(trained, record_property):
     record_property("peak_memory_gib_per_rank", [round(p / GIB, 2) for p in peaks])
     print("peak memory per rank (VmHWM, GiB):", [round(p / GIB, 2) for p in peaks])
     assert len(peaks) == 8 and max(peaks) < LIMIT
-    assert summary(trained)["steps"] == 2
+    assert summary(trained)["steps"] == 1
 
 
 def test_it_resumes_within_the_limit(workdir, trained):
-    result = run(workdir, *SHARDED, "train.max_steps=3", "resume=auto", f"hydra.run.dir={trained}")
+    result = run(workdir, *SHARDED, "train.max_steps=2", "resume=auto", f"hydra.run.dir={trained}")
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = summary(trained)
-    assert resumed["steps"] == 3 and resumed["resumed_from"].endswith("step_000002")
+    assert resumed["steps"] == 2 and resumed["resumed_from"].endswith("step_000001")
     print("peak memory per rank after resuming (GiB):", [round(p / GIB, 2) for p in resumed["peak_memory_bytes_per_rank"]])
     assert max(resumed["peak_memory_bytes_per_rank"]) < LIMIT
 

@@ -300,13 +300,15 @@ def test_time_folded_accumulation_weighs_a_pipelines_accumulated_steps(tmp_path)
 
 
 @pytest.mark.slow
-def test_compiled_blocks_in_the_stages_train_as_eager(tmp_path, monkeypatch):
+def test_compiled_blocks_in_the_stages_train_as_eager(tmp_path, monkeypatch, made_once):
     """compile=true under 1f1b: each stage's blocks compiled (inductor, C++ on CPU; most of a
-    minute on 2 cores), the curve the eager pipeline's."""
+    minute on 2 cores), the curve and the final validation the eager pipeline's (the shared
+    reference run: saving changes no loss)."""
     cache = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the ranks' compiled code lands here
-    compiled = metrics(run_pipeline(tmp_path, "compiled", "compile=true", steps=6))
+    compiled = metrics(run_pipeline(tmp_path, "compiled", "compile=true"))
     assert any(cache.rglob("*.py")), "nothing was compiled"
-    eager = metrics(run_pipeline(tmp_path, "eager", steps=6))
+    eager = metrics(made_once(run_pipeline, "pp", "ckpt.every=10"))
     assert [m["loss"] for m in compiled] == pytest.approx([m["loss"] for m in eager], abs=1e-4)
     assert [m["grad_norm"] for m in compiled] == pytest.approx([m["grad_norm"] for m in eager], rel=1e-3)
+    assert compiled[-1]["val_loss"] == pytest.approx(eager[-1]["val_loss"], abs=1e-4)
