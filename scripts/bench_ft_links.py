@@ -14,6 +14,8 @@ each a network namespace, one tc tbf-limited link between them) train `model=sma
                    ft.groups=2 ft.group=G ft.sync=diloco ft.sync_every=8)
     diloco_32      the same, ft.sync_every=32
     streaming_32   Streaming DiLoCo: ft.sync_every=32 ft.fragments=4 ft.sync_delay=2
+    diloco_8_avg, diloco_32_avg (optional) diloco_8 and diloco_32 with ft.outer_lr=1
+                   ft.outer_momentum=0: the groups' weights plainly averaged at each sync
     ddp_delayed_sync (optional) ddp with +trick=delayed_sync
 
 at each link rate of `--rates` (Mbit/s, `LINK_MBIT=R netns_cluster.sh up`; 0 = unlimited).
@@ -87,6 +89,8 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "diloco_8": ("ft", ["ft.sync=diloco", "ft.sync_every=8"]),
     "diloco_32": ("ft", ["ft.sync=diloco", "ft.sync_every=32"]),
     "streaming_32": ("ft", ["ft.sync=diloco", "ft.sync_every=32", "ft.fragments=4", "ft.sync_delay=2"]),
+    "diloco_8_avg": ("ft", ["ft.sync=diloco", "ft.sync_every=8", "ft.outer_lr=1", "ft.outer_momentum=0"]),
+    "diloco_32_avg": ("ft", ["ft.sync=diloco", "ft.sync_every=32", "ft.outer_lr=1", "ft.outer_momentum=0"]),
     "ddp_delayed_sync": ("ddp", ["+trick=delayed_sync"]),
 }
 DEFAULT_LAYOUTS = "ddp,ddp_bf16,ddp_powersgd,diloco_8,diloco_32,streaming_32"
@@ -95,6 +99,8 @@ DRY_LAYOUTS: dict[str, list[str]] = {
     "diloco_8": ["ft.sync=diloco", "ft.sync_every=4"],
     "diloco_32": ["ft.sync=diloco", "ft.sync_every=4"],
     "streaming_32": ["ft.sync=diloco", "ft.sync_every=4", "ft.fragments=2", "ft.sync_delay=1"],
+    "diloco_8_avg": ["ft.sync=diloco", "ft.sync_every=4", "ft.outer_lr=1", "ft.outer_momentum=0"],
+    "diloco_32_avg": ["ft.sync=diloco", "ft.sync_every=4", "ft.outer_lr=1", "ft.outer_momentum=0"],
 }
 
 
