@@ -89,8 +89,6 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "diloco_8": ("ft", ["ft.sync=diloco", "ft.sync_every=8"]),
     "diloco_32": ("ft", ["ft.sync=diloco", "ft.sync_every=32"]),
     "streaming_32": ("ft", ["ft.sync=diloco", "ft.sync_every=32", "ft.fragments=4", "ft.sync_delay=2"]),
-    "diloco_8_avg": ("ft", ["ft.sync=diloco", "ft.sync_every=8", "ft.outer_lr=1", "ft.outer_momentum=0"]),
-    "diloco_32_avg": ("ft", ["ft.sync=diloco", "ft.sync_every=32", "ft.outer_lr=1", "ft.outer_momentum=0"]),
     "ddp_delayed_sync": ("ddp", ["+trick=delayed_sync"]),
 }
 DEFAULT_LAYOUTS = "ddp,ddp_bf16,ddp_powersgd,diloco_8,diloco_32,streaming_32"
@@ -99,9 +97,12 @@ DRY_LAYOUTS: dict[str, list[str]] = {
     "diloco_8": ["ft.sync=diloco", "ft.sync_every=4"],
     "diloco_32": ["ft.sync=diloco", "ft.sync_every=4"],
     "streaming_32": ["ft.sync=diloco", "ft.sync_every=4", "ft.fragments=2", "ft.sync_delay=1"],
-    "diloco_8_avg": ["ft.sync=diloco", "ft.sync_every=4", "ft.outer_lr=1", "ft.outer_momentum=0"],
-    "diloco_32_avg": ["ft.sync=diloco", "ft.sync_every=4", "ft.outer_lr=1", "ft.outer_momentum=0"],
 }
+# diloco_8_avg, diloco_32_avg: their DiLoCo layout with the outer optimizer set to plain averaging.
+PLAIN_AVERAGING = ["ft.outer_lr=1", "ft.outer_momentum=0"]
+for _base in ("diloco_8", "diloco_32"):
+    LAYOUTS[f"{_base}_avg"] = ("ft", [*LAYOUTS[_base][1], *PLAIN_AVERAGING])
+    DRY_LAYOUTS[f"{_base}_avg"] = [*DRY_LAYOUTS[_base], *PLAIN_AVERAGING]
 
 
 def say(msg: str) -> None:
