@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose_config, free_port, run_cli, torchrun
+from conftest import compose_config, free_port, run_cli, torchrun, write_text_corpus
+from train_layouts import launch_layouts, train_here
 
 TINY = ["model=tiny", "train.seq_len=64", "train.eval_windows=16", "sample.max_new_tokens=0", "progress=plain"]
 
@@ -22,6 +23,29 @@ def losses(run_dir: Path) -> list[float]:
 
 def corpus_args(text_corpus: Path, tmp_path: Path) -> list[str]:
     return ["data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+@pytest.fixture(scope="module")
+def corpus_folder(tmp_path_factory) -> Path:
+    """A folder with the text corpus, for the module's shared runs."""
+    folder = tmp_path_factory.mktemp("shared")
+    write_text_corpus(folder / "corpus")
+    return folder
+
+
+# The two-rank DDP runs of several tests below, by name.
+DDP_RUNS = {
+    "double_batch": ["train.max_steps=10", "train.log_every=1", "train.eval_every=100", "train.batch_size=4"],
+    "unmeasured": ["train.max_steps=6", "train.log_every=2"],
+    "measured": ["train.max_steps=6", "train.log_every=2", "train.log_grad_consistency=true"],
+    "one_node": ["train.max_steps=6", "train.log_every=1"],
+}
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(corpus_folder) -> dict[str, Path]:
+    """DDP_RUNS, one after the other in one two-rank launch (tests/train_layouts.py)."""
+    return launch_layouts(corpus_folder, 2, DDP_RUNS, *TINY, *corpus_args(corpus_folder / "corpus", corpus_folder))
 
 
 @pytest.mark.slow
@@ -46,12 +70,12 @@ def test_torchrun_ranks_share_one_run_folder_written_by_rank_0(tmp_path, text_co
 
 
 @pytest.mark.slow
-def test_two_nodes_over_c10d_rendezvous_agree(tmp_path, text_corpus):
+def test_two_nodes_over_c10d_rendezvous_agree(tmp_path, ddp_runs, corpus_folder):
     port, run_dir = free_port(), tmp_path / "run"
+    data = corpus_args(corpus_folder / "corpus", corpus_folder)
     common = [
         "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=two-nodes", "-m", "ciuic_train", *TINY, *corpus_args(text_corpus, tmp_path),
-        "train.max_steps=6", "train.log_every=1", f"hydra.run.dir={run_dir}",
+        "--rdzv-id=two-nodes", "-m", "ciuic_train", *TINY, *data, *DDP_RUNS["one_node"], f"hydra.run.dir={run_dir}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
@@ -69,35 +93,30 @@ def test_two_nodes_over_c10d_rendezvous_agree(tmp_path, text_corpus):
     # Two nodes are two ranks as one node's two are: the same weights, bit for bit (a sum
     # of two is the same in either order); and the one-process run of the double batch
     # follows the same losses, up to summation order.
-    one_node = torchrun("--nproc_per_node=2", "-m", "ciuic_train", *common[common.index("-m") + 2:-1],
-                        f"hydra.run.dir={tmp_path / 'one_node'}", cwd=tmp_path)
-    assert one_node.returncode == 0, one_node.stderr[-3000:]
-    assert json.loads((tmp_path / "one_node" / "summary.json").read_text())["param_checksum"] == summary["param_checksum"]
+    one_node = ddp_runs["one_node"]  # the same overrides, on one node's two ranks
+    assert json.loads((one_node / "summary.json").read_text())["param_checksum"] == summary["param_checksum"]
     batch = compose_config(*TINY).train.batch_size
-    single = run_cli(*common[common.index("-m") + 2:-1], f"train.batch_size={2 * batch}",
-                     f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path)
-    assert single.returncode == 0, single.stderr
+    single = train_here(tmp_path, {"single": [*DDP_RUNS["one_node"], f"train.batch_size={2 * batch}"]},
+                        *TINY, *data)["single"]
     assert len(losses(run_dir)) == 6
-    assert losses(run_dir) == pytest.approx(losses(tmp_path / "single"), rel=1e-4)
+    assert losses(run_dir) == pytest.approx(losses(single), rel=1e-4)
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_match_one_process_with_the_double_batch(tmp_path, text_corpus):
+def test_ddp_two_ranks_match_one_process_with_the_double_batch(ddp_runs, corpus_folder):
     """Rank shares of the epoch are strided, so ranks' batches of B together are the one-process batch of 2B.
 
     The gradients are then equal up to float summation order (all-reduce of two halves
     vs one sum), about 1e-7 relative per step; Adam's normalisation keeps later steps
     close, so 10 steps agree to rtol 1e-4.
     """
-    common = [*TINY, *corpus_args(text_corpus, tmp_path), "train.max_steps=10", "train.log_every=1", "train.eval_every=100"]
-    ddp = torchrun("--nproc_per_node=2", "-m", "ciuic_train", *common, "train.batch_size=4",
-                   f"hydra.run.dir={tmp_path / 'ddp'}", cwd=tmp_path)
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    single = run_cli(*common, "train.batch_size=8", f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path)
-    assert single.returncode == 0, single.stderr
-    assert len(losses(tmp_path / "ddp")) == 10
-    assert losses(tmp_path / "ddp") == pytest.approx(losses(tmp_path / "single"), rel=1e-4)
-    assert losses(tmp_path / "ddp")[-1] < losses(tmp_path / "ddp")[0]
+    ddp = ddp_runs["double_batch"]
+    assert json.loads((ddp / "summary.json").read_text())["strategy"] == "ddp"
+    single = train_here(corpus_folder, {"single": [*DDP_RUNS["double_batch"], "train.batch_size=8"]},
+                        *TINY, *corpus_args(corpus_folder / "corpus", corpus_folder))["single"]
+    assert len(losses(ddp)) == 10
+    assert losses(ddp) == pytest.approx(losses(single), rel=1e-4)
+    assert losses(ddp)[-1] < losses(ddp)[0]
 
 
 @pytest.mark.slow
@@ -139,20 +158,14 @@ def test_a_sweep_runs_each_job_on_two_processes(tmp_path, text_corpus):
 
 
 @pytest.mark.slow
-def test_grad_consistency_is_logged_without_changing_the_training(tmp_path, text_corpus):
+def test_grad_consistency_is_logged_without_changing_the_training(ddp_runs):
     """The metric averages the gradients itself on logging steps, as DDP would have: the
     weights end bit-identical to a run without it."""
-    common = [*TINY, *corpus_args(text_corpus, tmp_path), "train.max_steps=6", "train.log_every=2"]
-    runs = {}
-    for name, extra in (("plain", []), ("measured", ["train.log_grad_consistency=true"])):
-        result = torchrun("--nproc_per_node=2", "-m", "ciuic_train", *common, *extra,
-                          f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = tmp_path / name
+    runs = {name: ddp_runs[name] for name in ("unmeasured", "measured")}
     records = [json.loads(line) for line in (runs["measured"] / "metrics.jsonl").read_text().splitlines()]
     consistency = [r["grad_consistency"] for r in records]
     assert len(consistency) == 3 and all(0.0 < c < 1.0 for c in consistency)  # two ranks, two different batches
-    assert all("grad_consistency" not in json.loads(line) for line in (runs["plain"] / "metrics.jsonl").read_text().splitlines())
+    assert all("grad_consistency" not in json.loads(line) for line in (runs["unmeasured"] / "metrics.jsonl").read_text().splitlines())
     checksums = [json.loads((runs[name] / "summary.json").read_text())["param_checksum"] for name in runs]
     assert checksums[0] == checksums[1]
 

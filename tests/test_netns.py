@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, torchrun, write_text_corpus
+from conftest import free_port, write_text_corpus
+from train_layouts import launch_layouts
 
 pytestmark = pytest.mark.netns
 
@@ -37,9 +38,12 @@ def workdir(tmp_path_factory) -> Path:
     return root
 
 
+def data(workdir: Path) -> list[str]:
+    return ["data=text", f"data.path={workdir / 'corpus'}", f"data.cache_dir={workdir / 'cache'}"]
+
+
 def common(workdir: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [*TINY, "data=text", f"data.path={workdir / 'corpus'}", f"data.cache_dir={workdir / 'cache'}",
-            f"hydra.run.dir={run_dir}", *extra]
+    return [*TINY, *data(workdir), f"hydra.run.dir={run_dir}", *extra]
 
 
 def on_host(host: int, nproc: int, port: int, run_id: str, args: list[str], cwd: Path,
@@ -85,14 +89,6 @@ def two_hosts(workdir: Path, name: str, nproc: int, *extra: str) -> Path:
     return run_dir
 
 
-def one_host(workdir: Path, name: str, nproc: int, *extra: str) -> Path:
-    run_dir = workdir / name
-    result = torchrun(f"--nproc_per_node={nproc}", "-m", "ciuic_train", *common(workdir, run_dir, *extra),
-                      cwd=workdir, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
-
-
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -108,7 +104,8 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
     raise AssertionError(f"{run_dir} did not reach step {step} in {timeout} s")
 
 
-@pytest.mark.parametrize("name, nproc, two_host_layout, one_host_layout", [
+# name, ranks per host, the layout on two hosts, the same on one host.
+LAYOUTS = [
     ("ddp", 1, [], []),
     ("fsdp", 1, ["dist.strategy=fsdp"], ["dist.strategy=fsdp"]),
     ("ep", 1, ["dist.dp_shard=2", "dist.ep=2"], ["dist.dp_shard=2", "dist.ep=2"]),
@@ -118,11 +115,29 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
     ("pp", 1, ["dist.pp=2"], ["dist.pp=2"]),
     ("pp_fsdp_ep", 2, ["dist.pp=2", "dist.dp_shard=2", "dist.ep=2", "model.n_layers=4"],
      ["dist.pp=2", "dist.dp_shard=2", "dist.ep=2", "model.n_layers=4"]),
-])
-def test_two_hosts_end_with_the_weights_of_one_host(workdir, name, nproc, two_host_layout, one_host_layout):
-    steps = ["train.max_steps=6", f"train.batch_size={4 // nproc}"]
-    across = two_hosts(workdir, f"{name}_two_hosts", nproc, *steps, *two_host_layout)
-    alone = one_host(workdir, f"{name}_one_host", 2 * nproc, *steps, *one_host_layout)
+]
+
+
+def steps(nproc: int) -> list[str]:
+    return ["train.max_steps=6", f"train.batch_size={4 // nproc}"]
+
+
+@pytest.fixture(scope="module")
+def one_host(workdir) -> dict[str, Path]:
+    """Each of LAYOUTS on this host alone, by name: the layouts of one world size one after
+    the other in one torchrun launch (tests/train_layouts.py)."""
+    runs = {}
+    for nproc in sorted({nproc for _, nproc, _, _ in LAYOUTS}):
+        layouts = {name: [*steps(nproc), *layout] for name, n, _, layout in LAYOUTS if n == nproc}
+        runs.update(launch_layouts(workdir / "one_host", 2 * nproc, layouts, *TINY, *data(workdir)))
+    return runs
+
+
+@pytest.mark.parametrize("name, nproc, two_host_layout", [layout[:3] for layout in LAYOUTS],
+                         ids=[layout[0] for layout in LAYOUTS])
+def test_two_hosts_end_with_the_weights_of_one_host(workdir, one_host, name, nproc, two_host_layout):
+    across = two_hosts(workdir, f"{name}_two_hosts", nproc, *steps(nproc), *two_host_layout)
+    alone = one_host[name]
     assert summary(across)["world_size"] == 2 * nproc
     assert summary(across)["mesh"] == summary(alone)["mesh"]
     assert summary(across)["param_checksum"] == summary(alone)["param_checksum"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import compose_config, run_cli, torchrun
+from train_layouts import launch_layouts, train_here
 from ciuic_train.checkpoint.checkpointer import load_model
 from ciuic_train.config import DistConfig
 from ciuic_train.distributed.mesh import MeshShape, resolve_mesh
@@ -108,16 +109,38 @@ def run_pipeline(tmp_path: Path, name: str, *overrides: str, steps: int = 20, ra
     return run_dir
 
 
-def run_one_process(tmp_path: Path, name: str, micro_batches: int, *overrides: str, steps: int = 20,
-                    data_shares: int = 1) -> Path:
+def run_one_process(tmp_path: Path, name: str, micro_batches: int, *overrides: str, data_shares: int = 1) -> Path:
     """One process at the pipeline's global batch (`data_shares` x 8 windows), in micro-batches
-    of the pipeline's size."""
-    run_dir = tmp_path / name
-    result = run_cli(*TINY, f"train.max_steps={steps}", "train.log_every=1", f"train.batch_size={8 // micro_batches}",
-                     f"train.grad_accum={micro_batches * data_shares}", *overrides, f"hydra.run.dir={run_dir}",
-                     cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    of the pipeline's size, 20 steps: trained in this test's process (tests/train_layouts.py)."""
+    own = [f"train.batch_size={8 // micro_batches}", f"train.grad_accum={micro_batches * data_shares}", *overrides]
+    return train_here(tmp_path, {name: own}, *TINY, "train.max_steps=20", "train.log_every=1")[name]
+
+
+# With data parallelism in the stages, each data rank takes a strided share of the windows,
+# so a micro-batch holds other sequences than one process's: the balance loss here is the
+# sequence-wise one (a mean over sequences, the same whatever the grouping), not TINY's
+# batch-wise one (a statistic of each micro-batch).
+SEQUENCE_BALANCE = ["model.aux_loss_alpha=0", "model.seq_aux_loss_alpha=0.01"]
+MTP = ["model.n_mtp_layers=1"]
+BF16_AND_CHECKPOINTING = ["precision=bf16", "activation_checkpointing=true"]
+TRICKS_A_PIPELINE_HONOURS = ["chaotic_sampler", "constellation_init", "quantum_save", "warm_restart"]
+TIME_FOLDED = [*SEQUENCE_BALANCE, "+trick=time_folded_accum", "train.grad_accum=2"]
+# Every two-rank pipeline below that is compared with one process, by name: one launch
+# trains them all (`two_rank_pipelines`), each as `run_pipeline` would.
+PIPELINES = {
+    **{f"mtp_{schedule}": [f"dist.pp_schedule={schedule}", *MTP] for schedule in ("1f1b", "gpipe")},
+    **{f"v_{schedule}": [f"dist.pp_schedule={schedule}", "dist.pp_stages_per_rank=2", *MTP]
+       for schedule in ("interleaved_1f1b", "zbv", "dualpipev")},
+    "bf16": BF16_AND_CHECKPOINTING,
+    **{f"trick_{trick}": [f"+trick={trick}", "ckpt.every=5"] for trick in TRICKS_A_PIPELINE_HONOURS},
+    "time_folded": TIME_FOLDED,
+}
+
+
+def two_rank_pipelines(folder: Path) -> dict[str, Path]:
+    """The run folder of each of PIPELINES, trained one after the other in one two-rank
+    launch (tests/train_layouts.py): one start-up instead of one per pipeline."""
+    return launch_layouts(folder, 2, PIPELINES, *TINY, "train.max_steps=20", "train.log_every=1", "dist.pp=2")
 
 
 def assert_same_training(pipeline: Path, single: Path, balance_loss: str = "aux_loss") -> None:
@@ -136,23 +159,21 @@ def assert_same_training(pipeline: Path, single: Path, balance_loss: str = "aux_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_a_pipeline_with_mtp_trains_as_one_process(tmp_path, made_once, schedule):
-    mtp = ["model.n_mtp_layers=1"]
-    pipeline = run_pipeline(tmp_path, "pp", f"dist.pp_schedule={schedule}", *mtp)
+def test_a_pipeline_with_mtp_trains_as_one_process(made_once, schedule):
+    pipeline = made_once(two_rank_pipelines)[f"mtp_{schedule}"]
     summary = json.loads((pipeline / "summary.json").read_text())
     assert summary["mesh"]["pp"] == 2 and summary["world_size"] == 2
-    assert_same_training(pipeline, made_once(run_one_process, "one", 2, *mtp))
+    assert_same_training(pipeline, made_once(run_one_process, "one", 2, *MTP))
     assert "mtp_loss" in metrics(pipeline)[-1]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv", "dualpipev"])
-def test_two_stages_per_rank_with_mtp_train_as_one_process(tmp_path, made_once, schedule):
+def test_two_stages_per_rank_with_mtp_train_as_one_process(made_once, schedule):
     """In the V (zbv, dualpipev) the MTP depths sit on rank 0 with the embedding they look up,
     as DeepSeek placed them: both of rank 0's stages hold it, each for its own gradient."""
-    mtp = ["model.n_mtp_layers=1"]
-    pipeline = run_pipeline(tmp_path, "pp", f"dist.pp_schedule={schedule}", "dist.pp_stages_per_rank=2", *mtp)
-    single = made_once(run_one_process, "one", 4, *mtp)
+    pipeline = made_once(two_rank_pipelines)[f"v_{schedule}"]
+    single = made_once(run_one_process, "one", 4, *MTP)
     assert_same_training(pipeline, single)
     assert metrics(pipeline)[-1]["mtp_loss"] == pytest.approx(metrics(single)[-1]["mtp_loss"], abs=1e-4)
 
@@ -173,13 +194,6 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path
     assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in later], abs=1e-5)
 
 
-# With data parallelism in the stages, each data rank takes a strided share of the windows,
-# so a micro-batch holds other sequences than one process's: the balance loss here is the
-# sequence-wise one (a mean over sequences, the same whatever the grouping), not TINY's
-# batch-wise one (a statistic of each micro-batch).
-SEQUENCE_BALANCE = ["model.aux_loss_alpha=0", "model.seq_aux_loss_alpha=0.01"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, mesh", [
     (["dist.dp_shard=2", "dist.ep=2"], {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "ep": 2}),
@@ -189,7 +203,7 @@ def test_a_pipeline_of_data_parallel_stages_trains_as_one_process(tmp_path, made
     """pp=2 on 4 ranks, 1f1b with MTP, each stage's two ranks splitting the data: FSDP2 with
     the experts split over them (the MTP's embedding copy sharded too), or replicas (FSDP2's
     HSDP with one shard)."""
-    model = [*SEQUENCE_BALANCE, "model.n_mtp_layers=1"]
+    model = [*SEQUENCE_BALANCE, *MTP]
     pipeline = run_pipeline(tmp_path, "pp_dp", *model, *layout, "sample.max_new_tokens=8", ranks=4)
     summary = json.loads((pipeline / "summary.json").read_text())
     assert summary["mesh"] == mesh and summary["world_size"] == 4
@@ -261,9 +275,8 @@ def test_bf16_and_activation_checkpointing_run_in_the_stages(tmp_path, made_once
     """precision=bf16 with activation checkpointing: the stages run under autocast (the first
     steps equal one process's bf16 steps, and differ from the fp32 pipeline's), and bf16's
     rounding then keeps the curves within its noise."""
-    both = ["precision=bf16", "activation_checkpointing=true"]
-    pipeline = metrics(run_pipeline(tmp_path, "pp", *both))
-    alone = metrics(run_one_process(tmp_path, "one", 2, *both))
+    pipeline = metrics(made_once(two_rank_pipelines)["bf16"])
+    alone = metrics(run_one_process(tmp_path, "one", 2, *BF16_AND_CHECKPOINTING))
     fp32 = metrics(made_once(run_pipeline, "pp", "ckpt.every=10"))  # checkpoints change no loss
     assert [m["loss"] for m in pipeline[:2]] == pytest.approx([m["loss"] for m in alone[:2]], abs=1e-6)
     assert abs(pipeline[0]["loss"] - fp32[0]["loss"]) > 1e-5  # autocast acted
@@ -271,12 +284,12 @@ def test_bf16_and_activation_checkpointing_run_in_the_stages(tmp_path, made_once
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trick", ["chaotic_sampler", "constellation_init", "quantum_save", "warm_restart"])
-def test_a_trick_a_pipeline_can_honour_trains_as_in_one_process(tmp_path, trick):
+@pytest.mark.parametrize("trick", TRICKS_A_PIPELINE_HONOURS)
+def test_a_trick_a_pipeline_can_honour_trains_as_in_one_process(tmp_path, made_once, trick):
     """The tricks whose seams a pipeline keeps (the data order, the init, saving, the lr)
     give the pipeline the one-process curve; those replacing transform_loss or comm_hook
     are refused before anything starts (above)."""
-    pipeline = run_pipeline(tmp_path, "pp", f"+trick={trick}", "ckpt.every=5")
+    pipeline = made_once(two_rank_pipelines)[f"trick_{trick}"]
     alone = run_one_process(tmp_path, "one", 2, f"+trick={trick}", "ckpt.every=5")
     assert [m["loss"] for m in metrics(pipeline)] == pytest.approx([m["loss"] for m in metrics(alone)], abs=1e-4)
     saved = lambda run: sorted(p.name for p in (run / "checkpoints").glob("step_*"))  # noqa: E731
@@ -284,18 +297,14 @@ def test_a_trick_a_pipeline_can_honour_trains_as_in_one_process(tmp_path, trick)
 
 
 @pytest.mark.slow
-def test_time_folded_accumulation_weighs_a_pipelines_accumulated_steps(tmp_path):
+def test_time_folded_accumulation_weighs_a_pipelines_accumulated_steps(tmp_path, made_once):
     """time_folded_accum weighs the step's train.grad_accum micro-steps; under a pipeline each
     is a whole schedule run over the pipeline's micro-batches, so the one-process twin
     weighs the same windows in the same proportions: 8 windows per micro-step (in 2
     micro-batches of 4 in the pipeline; a sequence-wise balance loss, which does not see the
     grouping)."""
-    layout = [*SEQUENCE_BALANCE, "+trick=time_folded_accum", "train.grad_accum=2"]
-    pipeline = run_pipeline(tmp_path, "pp", *layout)
-    alone = run_cli(*TINY, "train.max_steps=20", "train.log_every=1", "train.batch_size=8", *layout,
-                    f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    piped, single = metrics(pipeline), metrics(tmp_path / "one")
+    piped = metrics(made_once(two_rank_pipelines)["time_folded"])
+    single = metrics(run_one_process(tmp_path, "one", 1, *TIME_FOLDED))
     assert [m["loss"] for m in piped] == pytest.approx([m["loss"] for m in single], abs=1e-4)
 
 

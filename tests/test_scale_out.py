@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import compose_config, run_cli, torchrun, write_text_corpus
+from train_layouts import launch_layouts, train_here
 from ciuic_train.tools.export import export_model
 from ciuic_train.checkpoint.resume import check_resumable
 from ciuic_train.config import DistConfig, Strategy
@@ -113,12 +114,10 @@ def data_args(workdir: Path) -> list[str]:
 
 
 def train(workdir: Path, name: str, ranks: int, batch_size: int, *extra: str, launcher: tuple = ()) -> Path:
+    """`ciuic-train` on `ranks` ranks under torchrun."""
     run_dir = workdir / name
     args = [*COMMON, *data_args(workdir), f"train.batch_size={batch_size}", f"hydra.run.dir={run_dir}", *extra]
-    if ranks == 1:
-        result = run_cli(*args, cwd=workdir)
-    else:
-        result = torchrun(f"--nproc_per_node={ranks}", *launcher, "-m", "ciuic_train", *args, cwd=workdir, timeout=300)
+    result = torchrun(f"--nproc_per_node={ranks}", *launcher, "-m", "ciuic_train", *args, cwd=workdir, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -142,7 +141,8 @@ def final_weights(run_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def single(workdir) -> Path:
-    return train(workdir, "single", 1, 8)
+    """One process with the global batch, trained in this one (tests/train_layouts.py)."""
+    return train_here(workdir, {"single": ["train.batch_size=8"]}, *COMMON, *data_args(workdir))["single"]
 
 
 @pytest.fixture(scope="module")
@@ -188,32 +188,43 @@ def test_blocking_token_exchanges_end_bit_identical_to_overlapped_ones(workdir, 
     assert [m["loss"] for m in metrics(run_dir)] == [m["loss"] for m in metrics(expert_parallel)]
 
 
+@pytest.fixture(scope="module")
+def four_ranks(workdir, expert_parallel) -> dict[str, Path]:
+    """The module's four-rank runs, one after the other in one launch (tests/train_layouts.py):
+    HSDP with and without experts split, and the two-rank expert-parallel run resumed at step 10."""
+    saved = expert_parallel / "checkpoints" / "step_000010"
+    return launch_layouts(workdir, 4, {
+        "hsdp_ep": ["dist.dp_replicate=2", "dist.dp_shard=2", "dist.ep=2"],
+        "hsdp": ["dist.dp_replicate=2", "dist.dp_shard=2"],
+        "resumed_four_ranks_ep": ["dist.dp_shard=2", "dist.ep=2", f"resume={saved}"],
+    }, *COMMON, *data_args(workdir), "train.batch_size=2")
+
+
 @pytest.mark.slow
-def test_hsdp_with_expert_parallelism_on_four_ranks_trains_as_one_process(workdir, single, tmp_path):
-    run_dir = train(workdir, "hsdp_ep", 4, 2, "dist.dp_replicate=2", "dist.dp_shard=2", "dist.ep=2")
+def test_hsdp_with_expert_parallelism_on_four_ranks_trains_as_one_process(four_ranks, single, tmp_path):
+    run_dir = four_ranks["hsdp_ep"]
     assert_same_training(run_dir, single, tmp_path)
     assert summary(run_dir)["strategy"] == "hsdp"
     assert summary(run_dir)["param_bytes_per_rank"]["experts"] * 2 == summary(single)["param_bytes_per_rank"]["experts"]
 
 
 @pytest.mark.slow
-def test_hsdp_on_four_ranks_trains_as_one_process(workdir, single, tmp_path):
-    run_dir = train(workdir, "hsdp", 4, 2, "dist.dp_replicate=2", "dist.dp_shard=2")
+def test_hsdp_on_four_ranks_trains_as_one_process(four_ranks, single, tmp_path):
+    run_dir = four_ranks["hsdp"]
     assert_same_training(run_dir, single, tmp_path)
     assert summary(run_dir)["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "ep": 1}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, ranks, batch_size, layout", [
-    ("one_process", 1, 8, []),
-    ("four_ranks_ep", 4, 2, ["dist.dp_shard=2", "dist.ep=2"]),
-])
-def test_a_checkpoint_resumes_on_another_layout_with_the_same_curve(
-    workdir, expert_parallel, name, ranks, batch_size, layout
-):
-    """Saved by 2 ranks with ep=2; continued by 1 process, or by 4 ranks (HSDP of 2 x ep=2)."""
+@pytest.mark.parametrize("name", ["one_process", "four_ranks_ep"])
+def test_a_checkpoint_resumes_on_another_layout_with_the_same_curve(workdir, expert_parallel, four_ranks, name):
+    """Saved by 2 ranks with ep=2; continued by 1 process, or by 4 ranks (2 x ep=2, in `four_ranks`)."""
     saved = expert_parallel / "checkpoints" / "step_000010"
-    run_dir = train(workdir, f"resumed_{name}", ranks, batch_size, *layout, f"resume={saved}")
+    if name == "one_process":
+        run_dir = train_here(workdir, {"resumed_one_process": ["train.batch_size=8", f"resume={saved}"]},
+                             *COMMON, *data_args(workdir))["resumed_one_process"]
+    else:
+        run_dir = four_ranks[f"resumed_{name}"]
     assert summary(run_dir)["resumed_from"] == str(saved)
     resumed = {m["step"]: m["loss"] for m in metrics(run_dir)}
     uninterrupted = {m["step"]: m["loss"] for m in metrics(expert_parallel) if m["step"] > 10}

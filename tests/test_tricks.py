@@ -27,7 +27,8 @@ from ciuic_train.tricks.delayed_sync import DelayedSync
 from ciuic_train.tricks.quantum_save import QuantumSave
 from ciuic_train.tricks.time_folded_accum import TimeFoldedAccum
 from ciuic_train.tricks.warm_restart import WarmRestart
-from conftest import compose_config, run_cli, torchrun
+from conftest import compose_config, run_cli, write_text_corpus
+from train_layouts import launch_layouts
 
 REPO = Path(__file__).parents[1]
 ALL_TRICKS = sorted(registry())
@@ -325,45 +326,46 @@ def test_summary_lists_tricks_with_resolved_parameters(tmp_path, text_corpus):
 # --- real processes ----------------------------------------------------------------------
 
 
-def two_ranks(*args, cwd):
-    return torchrun("--nproc_per_node=2", "-m", "ciuic_train", *args, cwd=cwd)
+DDP_STEPS = ["train.max_steps=6", "train.grad_accum=2", "train.log_every=2"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> dict[str, Path]:
+    """The module's two-rank DDP runs, one after the other in one launch (tests/train_layouts.py)."""
+    folder = tmp_path_factory.mktemp("ddp")
+    corpus = write_text_corpus(folder / "corpus")
+    return launch_layouts(folder, 2, {
+        "base": DDP_STEPS,
+        "neutral_tricks": [
+            *DDP_STEPS, "+trick=[delayed_sync,async_smoothed_loss,time_folded_accum]",
+            "trick.delayed_sync.max_delay_s=0.05", "trick.delayed_sync.exempt_ranks=[1]",
+            "trick.async_smoothed_loss.every=1", "trick.async_smoothed_loss.start_step=2",
+            "trick.time_folded_accum.amplitude=0",
+        ],
+        "combined": [
+            "+trick=[warm_restart,chaotic_sampler,constellation_init,time_folded_accum]", "train.grad_accum=2",
+            "train.max_steps=10", "train.log_every=1", "train.warmup_steps=2", "data.shuffle=false",
+        ],
+    }, *TINY, "data=text", f"data.path={corpus}", f"data.cache_dir={folder / 'cache'}", "progress=plain")
 
 
 @pytest.mark.slow
-def test_gradient_neutral_tricks_under_ddp_end_bit_identical_to_the_baseline(tmp_path, text_corpus):
+def test_gradient_neutral_tricks_under_ddp_end_bit_identical_to_the_baseline(ddp_runs):
     """delayed_sync (a comm hook that sleeps), async_smoothed_loss (straight-through) and
     time_folded_accum with equal weights must leave every gradient, hence the weights, unchanged."""
-    common = [*TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
-              "train.max_steps=6", "train.grad_accum=2", "train.log_every=2", "progress=plain"]
-    baseline = two_ranks(*common, f"hydra.run.dir={tmp_path / 'base'}", cwd=tmp_path)
-    assert baseline.returncode == 0, baseline.stderr[-3000:]
-    tricks = two_ranks(
-        *common, "+trick=[delayed_sync,async_smoothed_loss,time_folded_accum]",
-        "trick.delayed_sync.max_delay_s=0.05", "trick.delayed_sync.exempt_ranks=[1]",
-        "trick.async_smoothed_loss.every=1", "trick.async_smoothed_loss.start_step=2",
-        "trick.time_folded_accum.amplitude=0", f"hydra.run.dir={tmp_path / 'tricks'}", cwd=tmp_path,
-    )
-    assert tricks.returncode == 0, tricks.stderr[-3000:]
-    base = json.loads((tmp_path / "base" / "summary.json").read_text())
-    summary = json.loads((tmp_path / "tricks" / "summary.json").read_text())
+    base = json.loads((ddp_runs["base"] / "summary.json").read_text())
+    summary = json.loads((ddp_runs["neutral_tricks"] / "summary.json").read_text())
     assert summary["world_size"] == 2 and len(summary["tricks"]) == 3
     assert summary["param_checksum"] == base["param_checksum"]
-    last = json.loads((tmp_path / "tricks" / "metrics.jsonl").read_text().splitlines()[-1])
+    last = json.loads((ddp_runs["neutral_tricks"] / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 < last["delayed_sync/slept_s"] <= 6 * 0.05 and last["delayed_sync/sleeps"] == 6
     assert last["async_smoothed_loss/reductions"] == 6 and last["loss"] != last["async_smoothed_loss/raw_loss"]
 
 
 @pytest.mark.slow
-def test_tricks_that_change_training_combine_under_ddp(tmp_path, text_corpus):
-    run_dir = tmp_path / "run"
-    result = two_ranks(
-        *TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
-        "+trick=[warm_restart,chaotic_sampler,constellation_init,time_folded_accum]", "train.grad_accum=2",
-        "train.max_steps=10", "train.log_every=1", "train.warmup_steps=2", "data.shuffle=false",
-        "progress=plain", f"hydra.run.dir={run_dir}", cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def test_tricks_that_change_training_combine_under_ddp(ddp_runs):
+    records = [json.loads(line) for line in (ddp_runs["combined"] / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((ddp_runs["combined"] / "summary.json").read_text())["world_size"] == 2
     schedule = LrSchedule(2e-3, 2, 10, 0.1)
     trick = WarmRestart(ctx(max_steps=10))
     assert [r["lr"] for r in records] == pytest.approx([trick.lr_at(s, schedule) for s in range(10)])
