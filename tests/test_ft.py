@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_refused, compose_config, descendants, free_port, kill_tree, run_cli
+from train_layouts import launch_layouts
 
 TINY = ["model=tiny", "sample.max_new_tokens=0", "train.log_every=5", "train.eval_every=1000", "progress=plain"]
 
@@ -24,6 +25,22 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+# Two groups of two ranks in two of the tests below: a two-stage pipeline in each, FSDP2 with
+# ep=2 in each; each against the one world of four ranks it equals (`one_world`).
+PIPELINES = ["model=tiny", "model.n_layers=4", "train.seq_len=64", "sample.max_new_tokens=0", "progress=plain",
+             "train.max_steps=10", "train.log_every=1", "train.eval_every=10", "dist.pp=2"]
+FSDP_EP = [*TINY, "train.max_steps=10", "dist.dp_shard=2", "dist.ep=2"]
+
+
+@pytest.fixture(scope="module")
+def one_world(tmp_path_factory) -> dict[str, Path]:
+    """The four-rank references, one after the other in one launch (tests/train_layouts.py):
+    the pipelines replicated twice, and HSDP (2 x 2, ep=2)."""
+    folder = tmp_path_factory.mktemp("one_world")
+    return launch_layouts(folder, 4, {"pipelines": [*PIPELINES, "dist.dp_replicate=2"], "hsdp": FSDP_EP},
+                          f"data.cache_dir={folder / 'cache'}")
 
 
 @pytest.mark.parametrize(
@@ -77,18 +94,14 @@ def test_two_groups_without_faults_train_as_ddp_of_the_same_global_batch(tmp_pat
 
 
 @pytest.mark.slow
-def test_pipelines_inside_two_groups_train_as_one_world_of_replicated_pipelines(tmp_path: Path):
+def test_pipelines_inside_two_groups_train_as_one_world_of_replicated_pipelines(tmp_path: Path, one_world):
     """2 groups, each a 2-stage pipeline, against one world of 4: 2 stages x 2 replicas.
     Each stage rank averages its own stage's gradients with the same rank of the other
     group; the sums run in another order than the world's, so the figures agree to 1e-6,
     not bit for bit."""
-    common = ["model=tiny", "model.n_layers=4", "train.seq_len=64", "sample.max_new_tokens=0", "progress=plain",
-              "train.max_steps=10", "train.log_every=1", "train.eval_every=10", "dist.nproc_per_node=4", "dist.pp=2",
-              f"data.cache_dir={tmp_path / 'cache'}"]
-    ft_run, world_run = tmp_path / "ft", tmp_path / "world"
-    result = run_cli(*common, "ft.enabled=true", "ft.groups=2", f"hydra.run.dir={ft_run}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = run_cli(*common, "dist.dp_replicate=2", f"hydra.run.dir={world_run}", cwd=tmp_path)
+    ft_run, world_run = tmp_path / "ft", one_world["pipelines"]
+    result = run_cli(*PIPELINES, "dist.nproc_per_node=4", f"data.cache_dir={tmp_path / 'cache'}", "ft.enabled=true",
+                     "ft.groups=2", f"hydra.run.dir={ft_run}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert summary(ft_run)["mesh"]["pp"] == 2 and summary(world_run)["mesh"]["dp_replicate"] == 2
     reference = metrics(world_run)
@@ -191,15 +204,12 @@ def test_a_group_killed_during_a_step_costs_the_other_one_retried_step(tmp_path:
 
 
 @pytest.mark.slow
-def test_fsdp_and_ep_inside_two_groups_train_as_hsdp_over_all_ranks(tmp_path: Path):
+def test_fsdp_and_ep_inside_two_groups_train_as_hsdp_over_all_ranks(tmp_path: Path, one_world):
     """2 groups of 2 ranks, each FSDP2 x ep=2, against one world of 4 (HSDP 2 x 2, ep=2):
     the groups average each rank's own shards, so the weights are bit-identical."""
-    common = [*TINY, "train.max_steps=10", "dist.nproc_per_node=4", "dist.dp_shard=2", "dist.ep=2",
-              f"data.cache_dir={tmp_path / 'cache'}"]
-    ft_run, hsdp_run = tmp_path / "ft", tmp_path / "hsdp"
-    result = run_cli(*common, "ft.enabled=true", "ft.groups=2", f"hydra.run.dir={ft_run}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = run_cli(*common, f"hydra.run.dir={hsdp_run}", cwd=tmp_path)
+    ft_run, hsdp_run = tmp_path / "ft", one_world["hsdp"]
+    result = run_cli(*FSDP_EP, "dist.nproc_per_node=4", f"data.cache_dir={tmp_path / 'cache'}", "ft.enabled=true",
+                     "ft.groups=2", f"hydra.run.dir={ft_run}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert summary(ft_run)["strategy"] == "fsdp" and summary(hsdp_run)["strategy"] == "hsdp"
     for mine, theirs in zip(metrics(ft_run), metrics(hsdp_run)):
