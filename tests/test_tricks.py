@@ -346,6 +346,7 @@ def ddp_runs(tmp_path_factory) -> dict[str, Path]:
             "+trick=[warm_restart,chaotic_sampler,constellation_init,time_folded_accum]", "train.grad_accum=2",
             "train.max_steps=10", "train.log_every=1", "train.warmup_steps=2", "data.shuffle=false",
         ],
+        **{f"alone_{trick}": [f"+trick={trick}", "train.max_steps=3", "train.grad_accum=2"] for trick in ALL_TRICKS},
     }, *TINY, "data=text", f"data.path={corpus}", f"data.cache_dir={folder / 'cache'}", "progress=plain")
 
 
@@ -373,17 +374,13 @@ def test_tricks_that_change_training_combine_under_ddp(ddp_runs):
 
 
 @pytest.mark.slow
-def test_each_trick_alone_on_two_processes_through_a_sweep(tmp_path, text_corpus):
-    sweep_dir = tmp_path / "sweep"
-    result = run_cli(
-        "-m", "+trick=glob(*)", "dist.nproc_per_node=2", *TINY, "data=text", f"data.path={text_corpus}",
-        f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=3", "train.grad_accum=2",
-        f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summaries = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/summary.json"))]
-    assert sorted(s["tricks"][0] for s in summaries) == ALL_TRICKS
-    assert all(s["world_size"] == 2 and len(s["tricks"]) == 1 for s in summaries)
+def test_each_trick_alone_trains_on_two_ranks(ddp_runs):
+    """Each trick under DDP (in `ddp_runs`' launch). A sweep over the tricks is
+    test_glob_sweeps_every_trick_alone_in_one_process's; a sweep whose every job runs on
+    two processes, tests/test_distributed.py's."""
+    for trick in ALL_TRICKS:
+        summary = json.loads((ddp_runs[f"alone_{trick}"] / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["tricks"] == [trick] and summary["steps"] == 3
 
 
 @pytest.mark.parametrize("mesh, strategy", [
