@@ -190,16 +190,13 @@ def test_bf16_fsdp_and_ep_on_two_cpu_ranks_gathers_bf16_and_follows_fp32(tmp_pat
     parameters (routed experts included, split over ep=2) in bf16 for the forward, keeps
     fp32 weights for AdamW, and the losses follow the fp32 run's to bf16's precision
     (tests/bf16_rank.py records the dtypes each block's forward sees)."""
-    runs = {}
-    for precision in ("fp32", "bf16"):
-        out = tmp_path / f"{precision}.json"
-        result = torchrun(
-            "--nproc_per_node=2", str(Path(__file__).with_name("bf16_rank.py")), str(out), str(tmp_path / precision),
-            *TINY, *corpus_args(text_corpus, tmp_path), "dist.dp_shard=2", "dist.ep=2", f"precision={precision}",
-            "train.max_steps=8", "train.log_every=1", cwd=tmp_path,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[precision] = json.loads(out.read_text())
+    result = torchrun(
+        "--nproc_per_node=2", str(Path(__file__).with_name("bf16_rank.py")), str(tmp_path), *TINY,
+        *corpus_args(text_corpus, tmp_path), "dist.dp_shard=2", "dist.ep=2", "train.max_steps=8", "train.log_every=1",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {precision: json.loads((tmp_path / f"{precision}.json").read_text()) for precision in ("fp32", "bf16")}
     fp32, bf16 = runs["fp32"], runs["bf16"]
     assert bf16["strategy"] == "fsdp" and bf16["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "ep": 2}
     assert fp32["gathered"] == {"experts": ["torch.float32"], "other": ["torch.float32"]}
