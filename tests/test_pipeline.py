@@ -125,9 +125,12 @@ MTP = ["model.n_mtp_layers=1"]
 BF16_AND_CHECKPOINTING = ["precision=bf16", "activation_checkpointing=true"]
 TRICKS_A_PIPELINE_HONOURS = ["chaotic_sampler", "constellation_init", "quantum_save", "warm_restart"]
 TIME_FOLDED = [*SEQUENCE_BALANCE, "+trick=time_folded_accum", "train.grad_accum=2"]
-# Every two-rank pipeline below that is compared with one process, by name: one launch
-# trains them all (`two_rank_pipelines`), each as `run_pipeline` would.
+# Every two-rank pipeline below that needs nothing of the CLI's (its log, its sample), by
+# name: one launch trains them all (`two_rank_pipelines`), each as `run_pipeline` would.
+# "pp" is the plain pipeline several tests compare with (saving changes no loss).
 PIPELINES = {
+    "pp": ["ckpt.every=10"],
+    "pp_sequence_balance": [*SEQUENCE_BALANCE, "ckpt.every=10"],
     **{f"mtp_{schedule}": [f"dist.pp_schedule={schedule}", *MTP] for schedule in ("1f1b", "gpipe")},
     **{f"v_{schedule}": [f"dist.pp_schedule={schedule}", "dist.pp_stages_per_rank=2", *MTP]
        for schedule in ("interleaved_1f1b", "zbv", "dualpipev")},
@@ -181,7 +184,7 @@ def test_two_stages_per_rank_with_mtp_train_as_one_process(made_once, schedule):
 @pytest.mark.slow
 def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, made_once):
     """Saved with pp=2 at step 10, continued with pp=1: the pp=2 run's steps 11-20."""
-    pipeline = made_once(run_pipeline, "pp", "ckpt.every=10")
+    pipeline = made_once(two_rank_pipelines)["pp"]
     resumed = tmp_path / "resumed"
     shutil.copytree(pipeline, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000020")
@@ -223,10 +226,10 @@ def test_a_pipeline_of_data_parallel_stages_trains_as_one_process(tmp_path, made
 
 
 @pytest.mark.slow
-def test_a_pipeline_checkpoint_resumes_with_sharded_stages_on_the_same_curve(tmp_path):
+def test_a_pipeline_checkpoint_resumes_with_sharded_stages_on_the_same_curve(tmp_path, made_once):
     """Saved with pp=2 at step 10, continued with pp=2 x dp_shard=2 on 4 ranks at the same
     global batch (4 windows per data rank): the pp=2 run's steps 11-20."""
-    pipeline = run_pipeline(tmp_path, "pp", *SEQUENCE_BALANCE, "ckpt.every=10")
+    pipeline = made_once(two_rank_pipelines)["pp_sequence_balance"]
     resumed = tmp_path / "resumed"
     shutil.copytree(pipeline, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000020")
@@ -258,7 +261,7 @@ def test_a_nan_on_a_stage_without_the_loss_stops_every_rank_with_one_line(tmp_pa
 def test_a_killed_stage_restarts_and_ends_bit_identical(tmp_path, made_once):
     """Rank 1 (the last stage) SIGKILLs itself after step 13; torchrun restarts both ranks,
     which resume from step 10 and end with the uninterrupted run's weights, bit for bit."""
-    whole = made_once(run_pipeline, "pp", "ckpt.every=10")
+    whole = made_once(two_rank_pipelines)["pp"]
     killed = tmp_path / "killed"
     result = torchrun("--nproc_per_node=2", "--max-restarts=1", "-m", "ciuic_train", *TINY, "train.max_steps=20",
                       "train.log_every=1", "dist.pp=2", "ckpt.every=10", "fault.kill_rank=1", "fault.at_step=13",
@@ -277,7 +280,7 @@ def test_bf16_and_activation_checkpointing_run_in_the_stages(tmp_path, made_once
     rounding then keeps the curves within its noise."""
     pipeline = metrics(made_once(two_rank_pipelines)["bf16"])
     alone = metrics(run_one_process(tmp_path, "one", 2, *BF16_AND_CHECKPOINTING))
-    fp32 = metrics(made_once(run_pipeline, "pp", "ckpt.every=10"))  # checkpoints change no loss
+    fp32 = metrics(made_once(two_rank_pipelines)["pp"])  # checkpoints change no loss
     assert [m["loss"] for m in pipeline[:2]] == pytest.approx([m["loss"] for m in alone[:2]], abs=1e-6)
     assert abs(pipeline[0]["loss"] - fp32[0]["loss"]) > 1e-5  # autocast acted
     assert [m["loss"] for m in pipeline] == pytest.approx([m["loss"] for m in alone], abs=3e-3)
@@ -317,7 +320,7 @@ def test_compiled_blocks_in_the_stages_train_as_eager(tmp_path, monkeypatch, mad
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the ranks' compiled code lands here
     compiled = metrics(run_pipeline(tmp_path, "compiled", "compile=true"))
     assert any(cache.rglob("*.py")), "nothing was compiled"
-    eager = metrics(made_once(run_pipeline, "pp", "ckpt.every=10"))
+    eager = metrics(made_once(two_rank_pipelines)["pp"])
     assert [m["loss"] for m in compiled] == pytest.approx([m["loss"] for m in eager], abs=1e-4)
     assert [m["grad_norm"] for m in compiled] == pytest.approx([m["grad_norm"] for m in eager], rel=1e-3)
     assert compiled[-1]["val_loss"] == pytest.approx(eager[-1]["val_loss"], abs=1e-4)
