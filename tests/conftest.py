@@ -21,6 +21,15 @@ from ciuic_train.checks import to_config
 
 register_configs()
 
+# One thread per process, in the tests' processes and in every process they start (which
+# inherit the variable; torchrun and the CLI's launcher keep one that is set). The models
+# here are tiny and gain nothing from a second thread, and with two tests at a time on 2
+# cores a thread has its core half the time while OpenMP's threads spin waiting for one
+# another: the quick tier takes a third less time and CPU so (docs/performance.md). An
+# OMP_NUM_THREADS the caller set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def compose_config(*overrides: str) -> Config:
     """The typed config `ciuic-train <overrides>` would run with."""
@@ -188,7 +197,8 @@ def one_rank_gloo(tmp_path: Path):
 
 @pytest.fixture
 def one_thread():
-    """Tiny models gain nothing from threads, and two threads on a busy 2-core box crawl."""
+    """One thread for the test even where the caller's OMP_NUM_THREADS asks for more: tiny
+    models gain nothing from threads, and two threads on a busy 2-core box crawl."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
