@@ -1,6 +1,7 @@
 """Under torchrun: a short sharded run through the Trainer in fp32, then in bf16 (one
-launch, one process group), recording the dtypes each block's parameters have while its
-forward runs (what FSDP2 gathered) and after the steps (what the optimizer updates).
+launch, one process group: tests/train_layouts.py), recording the dtypes each block's
+parameters have while its forward runs (what FSDP2 gathered) and after the steps (what
+the optimizer updates).
 
 `python bf16_rank.py OUT OVERRIDES...`; each precision trains in OUT/<precision>, and rank
 0 writes OUT/<precision>.json: the dtypes seen, split into the routed experts and the
@@ -8,23 +9,17 @@ rest, the losses logged and the final validation loss. tests/test_distributed.py
 the two.
 """
 
-import gc
 import json
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ciuic_train.model.moe import MoE
 from ciuic_train.train.trainer import Trainer
-from conftest import compose_config
+from train_layouts import train_layouts
 
 
-def record(out: Path, precision: str, *overrides: str):
-    """Train at `precision`, write what was seen; returns the run's Parallel."""
-    run_dir = out / precision
-    run_dir.mkdir(parents=True, exist_ok=True)  # as the CLI makes it
-    trainer = Trainer(compose_config(*overrides, f"precision={precision}"), run_dir)
+def fit_recording(trainer: Trainer) -> None:
+    """`trainer.fit()`, and what it saw written beside its run folder, named after it."""
     gathered: dict[str, set[str]] = {"experts": set(), "other": set()}
 
     def seen(block, args):
@@ -37,25 +32,18 @@ def record(out: Path, precision: str, *overrides: str):
     summary = trainer.fit()
     kept = sorted({str(p.dtype) for p in trainer.model.parameters()})
     if trainer.parallel.is_main:
+        run_dir = trainer.run_dir
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        (out / f"{precision}.json").write_text(json.dumps({
+        run_dir.with_suffix(".json").write_text(json.dumps({
             "gathered": {kind: sorted(dtypes) for kind, dtypes in gathered.items()},
             "kept": kept,
             "losses": [m["loss"] for m in metrics],
             "val_loss": summary["final_val_loss"],
             "strategy": summary["strategy"], "mesh": summary["mesh"],
         }))
-    return trainer.parallel
-
-
-def main(out: str, *overrides: str) -> None:
-    parallel = record(Path(out), "fp32", *overrides)  # it started the group: it ends it
-    gc.collect()  # the fp32 run's FSDP state holds the group: gone before the bf16 run's
-    dist.barrier()
-    record(Path(out), "bf16", *overrides)
-    gc.collect()
-    parallel.close()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    out, *overrides = sys.argv[1:]
+    train_layouts(Path(out), {precision: [f"precision={precision}"] for precision in ("fp32", "bf16")}, *overrides,
+                  fit=fit_recording)

@@ -33,6 +33,12 @@ def corpus_folder(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def shared_data(corpus_folder) -> list[str]:
+    """The overrides of the module's shared runs and of the runs compared with them."""
+    return corpus_args(corpus_folder / "corpus", corpus_folder)
+
+
 # The two-rank DDP runs of several tests below, by name.
 DDP_RUNS = {
     "double_batch": ["train.max_steps=10", "train.log_every=1", "train.eval_every=100", "train.batch_size=4"],
@@ -43,9 +49,9 @@ DDP_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(corpus_folder) -> dict[str, Path]:
+def ddp_runs(corpus_folder, shared_data) -> dict[str, Path]:
     """DDP_RUNS, one after the other in one two-rank launch (tests/train_layouts.py)."""
-    return launch_layouts(corpus_folder, 2, DDP_RUNS, *TINY, *corpus_args(corpus_folder / "corpus", corpus_folder))
+    return launch_layouts(corpus_folder, 2, DDP_RUNS, *TINY, *shared_data)
 
 
 @pytest.mark.slow
@@ -70,12 +76,11 @@ def test_torchrun_ranks_share_one_run_folder_written_by_rank_0(tmp_path, text_co
 
 
 @pytest.mark.slow
-def test_two_nodes_over_c10d_rendezvous_agree(tmp_path, ddp_runs, corpus_folder):
+def test_two_nodes_over_c10d_rendezvous_agree(tmp_path, ddp_runs, shared_data):
     port, run_dir = free_port(), tmp_path / "run"
-    data = corpus_args(corpus_folder / "corpus", corpus_folder)
     common = [
         "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=two-nodes", "-m", "ciuic_train", *TINY, *data, *DDP_RUNS["one_node"], f"hydra.run.dir={run_dir}",
+        "--rdzv-id=two-nodes", "-m", "ciuic_train", *TINY, *shared_data, *DDP_RUNS["one_node"], f"hydra.run.dir={run_dir}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
@@ -97,13 +102,13 @@ def test_two_nodes_over_c10d_rendezvous_agree(tmp_path, ddp_runs, corpus_folder)
     assert json.loads((one_node / "summary.json").read_text())["param_checksum"] == summary["param_checksum"]
     batch = compose_config(*TINY).train.batch_size
     single = train_here(tmp_path, {"single": [*DDP_RUNS["one_node"], f"train.batch_size={2 * batch}"]},
-                        *TINY, *data)["single"]
+                        *TINY, *shared_data)["single"]
     assert len(losses(run_dir)) == 6
     assert losses(run_dir) == pytest.approx(losses(single), rel=1e-4)
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_match_one_process_with_the_double_batch(ddp_runs, corpus_folder):
+def test_ddp_two_ranks_match_one_process_with_the_double_batch(tmp_path, ddp_runs, shared_data):
     """Rank shares of the epoch are strided, so ranks' batches of B together are the one-process batch of 2B.
 
     The gradients are then equal up to float summation order (all-reduce of two halves
@@ -112,8 +117,8 @@ def test_ddp_two_ranks_match_one_process_with_the_double_batch(ddp_runs, corpus_
     """
     ddp = ddp_runs["double_batch"]
     assert json.loads((ddp / "summary.json").read_text())["strategy"] == "ddp"
-    single = train_here(corpus_folder, {"single": [*DDP_RUNS["double_batch"], "train.batch_size=8"]},
-                        *TINY, *corpus_args(corpus_folder / "corpus", corpus_folder))["single"]
+    single = train_here(tmp_path, {"single": [*DDP_RUNS["double_batch"], "train.batch_size=8"]},
+                        *TINY, *shared_data)["single"]
     assert len(losses(ddp)) == 10
     assert losses(ddp) == pytest.approx(losses(single), rel=1e-4)
     assert losses(ddp)[-1] < losses(ddp)[0]

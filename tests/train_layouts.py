@@ -18,6 +18,7 @@ import gc
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,15 +27,17 @@ from conftest import compose_config, torchrun
 from ciuic_train.train.trainer import Trainer
 
 
-def train_layouts(out: Path, layouts: dict[str, list[str]], *overrides: str) -> dict[str, Path]:
-    """Train each layout (name -> its overrides) in `out`/name, one after the other; returns
-    the run folders."""
+def train_layouts(out: Path, layouts: dict[str, list[str]], *overrides: str,
+                  fit: Callable[[Trainer], object] = Trainer.fit) -> dict[str, Path]:
+    """Train each layout (name -> its overrides) in `out`/name, one after the other, each
+    Trainer handed to `fit` (a script that records more than the run folder holds wraps
+    `Trainer.fit`: tests/bf16_rank.py); returns the run folders."""
     runs, first = {}, None
     for name, own in layouts.items():
         runs[name] = out / name
         runs[name].mkdir(parents=True, exist_ok=True)  # as the CLI makes it
         trainer = Trainer(compose_config(*overrides, *own), runs[name])
-        trainer.fit()
+        fit(trainer)
         first = first or trainer.parallel  # the one that started the group ends it
         del trainer
         gc.collect()  # DDP's reducer, FSDP's state and the stages hold the group: gone before the next layout's
