@@ -221,8 +221,7 @@ class ElasticLauncher(LaunchPath):
             rdzv_backend="c10d",
             rdzv_endpoint="127.0.0.1:0",
             max_restarts=config.dist.max_restarts,
-            monitor_interval=0.5,
-        )
+        )  # its agent looks at the workers every 0.1 s, as torchrun's does
         log.info(f"starting {nproc} workers (torch elastic launcher) in {run_dir}")
         runlock.lend_to_children(run_dir)
         try:

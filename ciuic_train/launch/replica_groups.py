@@ -151,7 +151,7 @@ def start_replica_groups(config: Config, run_dir: Path, overrides: list[str],
         command = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={per_group}", "--nnodes=1",
             "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", f"--max-restarts={config.dist.max_restarts}",
-            "--monitor-interval=0.5", "-m", "ciuic_train", *overrides,
+            "-m", "ciuic_train", *overrides,
             f"hydra.run.dir={quote_override(str(folder.absolute()))}", "hydra.output_subdir=null",
             f"ft.group={group}", f"ft.lighthouse={address}",
             f"ft.checkpoints={quote_override(str(run_dir.absolute()))}",
