@@ -303,7 +303,7 @@ def load_model(path: Path):
     with torch.device("meta"):
         model = Transformer(ModelConfig(**meta["model"]))
     model.to_empty(device="cpu")
-    model.init_weights()
+    model.init_unsaved_buffers()  # the rest, every parameter among it, comes from the checkpoint (DCP loads strictly)
     state = {"model": model.state_dict()}
     try:
         with _single_process_is_fine():

@@ -142,6 +142,14 @@ class Transformer(nn.Module):
                     init.normal_(f"{module_name}.{leaf}", param, std)
             if isinstance(module, MoE):
                 module.expert_bias.zero_()
+        self.init_unsaved_buffers()
+
+    @torch.no_grad()
+    def init_unsaved_buffers(self) -> None:
+        """The buffers no checkpoint holds: the RoPE tables computed, the experts' token
+        counts 0. All a model loaded from a checkpoint needs besides what it loads."""
+        for module in self.modules():
+            if isinstance(module, MoE):
                 module.tokens_per_expert.zero_()
         cos, sin = rope_tables(
             self.config.qk_rope_head_dim,
