@@ -9,7 +9,8 @@ would. The launcher then stops the other worker and the command fails; the test 
 the same command (`resume=auto`), which must load the latest complete checkpoint without
 complaint, and so on, once per kill. The last attempt runs to the end without a kill: its
 `param_checksum` and step count must equal an uninterrupted run's with the same overrides
-(started at the same time, in its own folder, so the two share the two cores).
+and synchronous saves (one for both tests: started with the first, in its own folder, so
+that it and the attempts share the two cores).
 
 Saves are most of the run: with `ckpt.every=1` and `ckpt.keep_last=2` the tiny model
 trains a step in ~25 ms on two cores while a save (DCP files, a JSON file per rank, three
@@ -49,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from conftest import write_text_corpus
 
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=4", "train.eval_windows=8", "sample.max_new_tokens=0",
         "progress=plain"]
@@ -173,14 +176,38 @@ def describe(kills: list[Kill]) -> list[str]:
     ]
 
 
+def overrides(text_corpus: Path, folder: Path, asynchronous: bool) -> list[str]:
+    return [*TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={folder / 'cache'}",
+            f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=10", "ckpt.every=1",
+            "ckpt.keep_last=2", "dist.nproc_per_node=2", "resume=auto", f"ckpt.async_save={str(asynchronous).lower()}"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run both tests must end like: the same steps without a kill, with synchronous
+    saves (how a save is written changes no weight) and the same corpus (written alike in
+    its own folder). It starts when the first test does and runs beside its attempts, the
+    two sharing the two cores; the second test finds it done. Returns its summary."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    corpus = write_text_corpus(folder / "corpus")
+    process = start([*overrides(corpus, folder, False), f"hydra.run.dir={folder / 'whole'}"], folder,
+                    folder / "whole.log")
+
+    def summary() -> dict:
+        assert process.wait(timeout=180) == 0, (folder / "whole.log").read_text()[-3000:]
+        return json.loads((folder / "whole" / "summary.json").read_text())
+
+    yield summary
+    stop(process)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_sigkill_a_rank_anywhere_and_resume_ends_like_an_uninterrupted_run(tmp_path, text_corpus, asynchronous):
+def test_sigkill_a_rank_anywhere_and_resume_ends_like_an_uninterrupted_run(tmp_path, text_corpus, asynchronous,
+                                                                           uninterrupted):
     """With ckpt.async_save=true a kill may also land while a save is written in the
     background, training going on meanwhile."""
-    common = [*TINY, "data=text", f"data.path={text_corpus}", f"data.cache_dir={tmp_path / 'cache'}",
-              f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=10", "ckpt.every=1",
-              "ckpt.keep_last=2", "dist.nproc_per_node=2", "resume=auto", f"ckpt.async_save={str(asynchronous).lower()}"]
+    common = overrides(text_corpus, tmp_path, asynchronous)
     chosen = ASYNC_KINDS if asynchronous else KINDS
     kills_planned = len(chosen)
     run_dir = tmp_path / "killed"
@@ -203,7 +230,7 @@ def test_sigkill_a_rank_anywhere_and_resume_ends_like_an_uninterrupted_run(tmp_p
 
     kills: list[Kill] = []
     began = time.monotonic()
-    reference = process = start([*common, f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path, tmp_path / "whole.log")
+    process = None
     try:
         for attempt, (kind, target, rank, fraction) in enumerate(zip(kinds, targets, ranks, fractions)):
             resumed_at, stale = latest_complete(checkpoints), temporary_saves(checkpoints)
@@ -251,13 +278,11 @@ def test_sigkill_a_rank_anywhere_and_resume_ends_like_an_uninterrupted_run(tmp_p
             process = start(args, tmp_path, log)
             assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
             assert resumed_line(resumed_at) in log.read_text(), log.read_text()[-3000:]
-        assert reference.wait(timeout=180) == 0, (tmp_path / "whole.log").read_text()[-3000:]
+        whole = uninterrupted()
         elapsed = time.monotonic() - began
     finally:
-        stop(process)
-        stop(reference)
-
-    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+        if process is not None:
+            stop(process)
     summary = json.loads((run_dir / "summary.json").read_text())
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lines = [f"kill-anywhere: {len(kills)} kills (seed {SEED}), {elapsed:.0f} s for all runs", *describe(kills),

@@ -125,6 +125,9 @@ MTP = ["model.n_mtp_layers=1"]
 BF16_AND_CHECKPOINTING = ["precision=bf16", "activation_checkpointing=true"]
 TRICKS_A_PIPELINE_HONOURS = ["chaotic_sampler", "constellation_init", "quantum_save", "warm_restart"]
 TIME_FOLDED = [*SEQUENCE_BALANCE, "+trick=time_folded_accum", "train.grad_accum=2"]
+# Every block a MoE block: one kind of block to compile (the compiled test; a 20-s shorter
+# compile on 2 cores than with TINY's dense first block, which test_trainer compiles).
+MOE_BLOCKS = ["model.n_dense_layers=0"]
 # Every two-rank pipeline below that needs nothing of the CLI's (its log, its sample), by
 # name: one launch trains them all (`two_rank_pipelines`), each as `run_pipeline` would.
 # "pp" is the plain pipeline several tests compare with (saving changes no loss).
@@ -137,6 +140,7 @@ PIPELINES = {
     "bf16": BF16_AND_CHECKPOINTING,
     **{f"trick_{trick}": [f"+trick={trick}", "ckpt.every=5"] for trick in TRICKS_A_PIPELINE_HONOURS},
     "time_folded": TIME_FOLDED,
+    "moe_blocks": MOE_BLOCKS,
 }
 
 
@@ -315,12 +319,12 @@ def test_time_folded_accumulation_weighs_a_pipelines_accumulated_steps(tmp_path,
 def test_compiled_blocks_in_the_stages_train_as_eager(tmp_path, monkeypatch, made_once):
     """compile=true under 1f1b: each stage's blocks compiled (inductor, C++ on CPU; most of a
     minute on 2 cores), the curve and the final validation the eager pipeline's (the shared
-    reference run: saving changes no loss)."""
+    reference run)."""
     cache = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the ranks' compiled code lands here
-    compiled = metrics(run_pipeline(tmp_path, "compiled", "compile=true"))
+    compiled = metrics(run_pipeline(tmp_path, "compiled", "compile=true", *MOE_BLOCKS))
     assert any(cache.rglob("*.py")), "nothing was compiled"
-    eager = metrics(made_once(two_rank_pipelines)["pp"])
+    eager = metrics(made_once(two_rank_pipelines)["moe_blocks"])
     assert [m["loss"] for m in compiled] == pytest.approx([m["loss"] for m in eager], abs=1e-4)
     assert [m["grad_norm"] for m in compiled] == pytest.approx([m["grad_norm"] for m in eager], rel=1e-3)
     assert compiled[-1]["val_loss"] == pytest.approx(eager[-1]["val_loss"], abs=1e-4)
