@@ -61,11 +61,11 @@ def program(line: dict) -> str:
         name = "python -m ciuic_train"
     elif name == "run.py":
         name = "torchrun's agent"
-    elif name == "ciuic-train":
-        name = "ciuic-train (front process)" if line["rank"] is None else "ciuic-train (rank)"
+    elif name == "ciuic-train" and line["rank"] is None:
+        name = "ciuic-train (front process)"
     elif name == "-c":  # pytest-xdist's workers among them, which run the tests in-process
         name = "python -c"
-    return name + (" (rank)" if line["rank"] is not None and "rank" not in name else "")
+    return name + (" (rank)" if line["rank"] is not None else "")
 
 
 def report(census: Path, top: int) -> None:
