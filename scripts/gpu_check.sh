@@ -10,8 +10,10 @@
 # python3), PEAK_TFLOPS (datasheet dense bf16 peak for MFU, default 989 = H100/H200 SXM).
 #
 # Stages, each under `timeout` with its own cap, clipped to what is left of the budget (the
-# caps add up to less than it); a failing stage does not stop the next. Each prints one
-# summary line, and OUT/summary.txt holds them all:
+# caps add up to less than it); a failing stage does not stop the next, but where torch
+# sees no CUDA device (outside --dry-run) the stages after install, which could only fail
+# or skip for that one reason, are SKIPPED. Each prints one summary line, and
+# OUT/summary.txt holds them all:
 #   standin    (--dry-run only) the GPU image's interpreter played by a fresh venv holding
 #              what that image has (torch, numpy, rich, safetensors, PyYAML, packaging,
 #              pytest), linked from BUILD_PYTHON's, and not what it lacks (hydra-core,
@@ -120,6 +122,13 @@ run_stage() {
     echo "[$name] ${VERDICT[$name]} in ${TOOK[$name]}s: $(line_of "$name")"
 }
 
+# skip_stage NAME REASON: NAME listed as SKIPPED, REASON its summary line.
+skip_stage() {
+    STAGES+=("$1")
+    VERDICT[$1]=SKIPPED TOOK[$1]=0
+    echo "$2" >"$WORK/$1.line"
+}
+
 line_of() { awk 'NR > 1 {printf "; "} {printf "%s", $0}' "$WORK/$1.line" 2>/dev/null || true; }
 say() { echo "$*" >>"$WORK/$STAGE.line"; } # a stage's summary line (the stage function runs in a child)
 
@@ -150,6 +159,7 @@ print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__versi
     say "GPU: $gpu; $seen"
     if [[ $DRY_RUN == 0 ]] && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
         say "(torch sees no CUDA device: use --dry-run on a machine without a GPU)"
+        touch "$WORK/no_cuda"  # the run skips the stages that need one
         return 1
     fi
 }
@@ -322,10 +332,13 @@ if [[ ${VERDICT[env]} == "FAIL(2)" ]]; then
 else
     FATAL=0
     run_stage install 45 stage_install
-    run_stage tests 120 stage_tests
-    run_stage meta_build 45 stage_meta_build
-    run_stage ranks 60 stage_ranks
-    run_stage bench 150 stage_bench
+    for stage in tests:120 meta_build:45 ranks:60 bench:150; do
+        if [[ -e $WORK/no_cuda ]]; then
+            skip_stage "${stage%:*}" "torch sees no CUDA device"
+        else
+            run_stage "${stage%:*}" "${stage#*:}" "stage_${stage%:*}"
+        fi
+    done
 fi
 
 status=$FATAL
