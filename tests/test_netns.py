@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, write_text_corpus
+import train_layouts
 from train_layouts import launch_layouts
 
 pytestmark = pytest.mark.netns
@@ -47,12 +48,14 @@ def common(workdir: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def on_host(host: int, nproc: int, port: int, run_id: str, args: list[str], cwd: Path,
-            restarts: int = 0, env: dict[str, str] | None = None, options: tuple[str, ...] = ()) -> subprocess.Popen:
-    """`torchrun` on emulated host `host`, as a user would type it on that machine."""
+            restarts: int = 0, env: dict[str, str] | None = None, options: tuple[str, ...] = (),
+            program: tuple[str, ...] = ("-m", "ciuic_train")) -> subprocess.Popen:
+    """`torchrun` of `program` (`ciuic-train`'s module by default) on emulated host `host`,
+    as a user would type it on that machine."""
     command = [
         str(CLUSTER), "exec", str(host), sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
         f"--nproc_per_node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=host0:{port}",
-        f"--rdzv-id={run_id}", f"--max-restarts={restarts}", *options, "-m", "ciuic_train", *args,
+        f"--rdzv-id={run_id}", f"--max-restarts={restarts}", *options, *program, *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -80,13 +83,28 @@ def kill_job(host: subprocess.Popen) -> None:
             pass
 
 
+def both_done(hosts: list[subprocess.Popen]) -> None:
+    outputs = [host.communicate(timeout=300)[0] for host in hosts]
+    assert [host.returncode for host in hosts] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+
+
 def two_hosts(workdir: Path, name: str, nproc: int, *extra: str) -> Path:
     run_dir = workdir / name
     port = free_port()
-    hosts = [on_host(h, nproc, port, name, common(workdir, run_dir, *extra), workdir) for h in (0, 1)]
-    outputs = [host.communicate(timeout=300)[0] for host in hosts]
-    assert [host.returncode for host in hosts] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    both_done([on_host(h, nproc, port, name, common(workdir, run_dir, *extra), workdir) for h in (0, 1)])
     return run_dir
+
+
+def two_hosts_layouts(workdir: Path, nproc: int, layouts: dict[str, list[str]]) -> dict[str, Path]:
+    """`layouts` (name -> overrides) across both hosts, `nproc` ranks on each, one after the
+    other in one two-node launch of tests/train_layouts.py, in workdir/two_hosts; returns
+    the run folders."""
+    folder = workdir / "two_hosts"
+    folder.mkdir(exist_ok=True)
+    port, program = free_port(), (train_layouts.__file__, str(folder), json.dumps(layouts))
+    both_done([on_host(h, nproc, port, f"layouts{nproc}", [*TINY, *data(workdir)], folder, program=program)
+               for h in (0, 1)])
+    return {name: folder / name for name in layouts}
 
 
 def summary(run_dir: Path) -> dict:
@@ -133,11 +151,21 @@ def one_host(workdir) -> dict[str, Path]:
     return runs
 
 
-@pytest.mark.parametrize("name, nproc, two_host_layout", [layout[:3] for layout in LAYOUTS],
-                         ids=[layout[0] for layout in LAYOUTS])
-def test_two_hosts_end_with_the_weights_of_one_host(workdir, one_host, name, nproc, two_host_layout):
-    across = two_hosts(workdir, f"{name}_two_hosts", nproc, *steps(nproc), *two_host_layout)
-    alone = one_host[name]
+@pytest.fixture(scope="module")
+def across_hosts(workdir) -> dict[str, Path]:
+    """Each of LAYOUTS across the two hosts, by name, likewise: one two-node launch per
+    world size. (The CLI's own two-node command runs in the dead-node tests below.)"""
+    runs = {}
+    for nproc in sorted({nproc for _, nproc, _, _ in LAYOUTS}):
+        layouts = {name: [*steps(nproc), *layout] for name, n, layout, _ in LAYOUTS if n == nproc}
+        runs.update(two_hosts_layouts(workdir, nproc, layouts))
+    return runs
+
+
+@pytest.mark.parametrize("name", [layout[0] for layout in LAYOUTS])
+def test_two_hosts_end_with_the_weights_of_one_host(one_host, across_hosts, name):
+    nproc = next(n for layout, n, _, _ in LAYOUTS if layout == name)
+    across, alone = across_hosts[name], one_host[name]
     assert summary(across)["world_size"] == 2 * nproc
     assert summary(across)["mesh"] == summary(alone)["mesh"]
     assert summary(across)["param_checksum"] == summary(alone)["param_checksum"]
