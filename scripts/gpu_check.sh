@@ -95,16 +95,19 @@ build_wheels() {
 
 # run_stage NAME CAP FUNCTION: FUNCTION under `timeout` (clipped to the budget left), its
 # output to the terminal and WORK/NAME.log; its summary line is what it writes to
-# WORK/NAME.line. Verdicts: PASS, FAIL (exit N), TIMEOUT, SKIPPED.
+# WORK/NAME.line. Verdicts: PASS, FAIL (exit N), TIMEOUT, SKIPPED (with the reason as its
+# line: SKIP_REASON where the run has set it, else a budget too short to start).
 run_stage() {
     local name=$1 cap=$2 fn=$3
     local left=$((DEADLINE - $(date +%s) - 5))
     local limit=$((cap < left ? cap : left))
+    local skipped=${SKIP_REASON:-}
     STAGES+=("$name")
     printf '\n======== %s ======== (cap %ss, %ss of the budget left)\n' "$name" "$cap" "$left"
-    if ((limit < 10)); then
+    if [[ -z $skipped ]] && ((limit < 10)); then skipped="budget spent"; fi
+    if [[ -n $skipped ]]; then
         VERDICT[$name]=SKIPPED TOOK[$name]=0
-        echo "budget spent" >"$WORK/$name.line"
+        echo "$skipped" >"$WORK/$name.line"
         return 0
     fi
     local t0 rc
@@ -120,13 +123,6 @@ run_stage() {
         *) VERDICT[$name]="FAIL($rc)" ;;
     esac
     echo "[$name] ${VERDICT[$name]} in ${TOOK[$name]}s: $(line_of "$name")"
-}
-
-# skip_stage NAME REASON: NAME listed as SKIPPED, REASON its summary line.
-skip_stage() {
-    STAGES+=("$1")
-    VERDICT[$1]=SKIPPED TOOK[$1]=0
-    echo "$2" >"$WORK/$1.line"
 }
 
 line_of() { awk 'NR > 1 {printf "; "} {printf "%s", $0}' "$WORK/$1.line" 2>/dev/null || true; }
@@ -332,13 +328,12 @@ if [[ ${VERDICT[env]} == "FAIL(2)" ]]; then
 else
     FATAL=0
     run_stage install 45 stage_install
-    for stage in tests:120 meta_build:45 ranks:60 bench:150; do
-        if [[ -e $WORK/no_cuda ]]; then
-            skip_stage "${stage%:*}" "torch sees no CUDA device"
-        else
-            run_stage "${stage%:*}" "${stage#*:}" "stage_${stage%:*}"
-        fi
-    done
+    # Without a CUDA device (stage_env found none) the rest could only fail or skip for that.
+    if [[ -e $WORK/no_cuda ]]; then SKIP_REASON="torch sees no CUDA device"; fi
+    run_stage tests 120 stage_tests
+    run_stage meta_build 45 stage_meta_build
+    run_stage ranks 60 stage_ranks
+    run_stage bench 150 stage_bench
 fi
 
 status=$FATAL

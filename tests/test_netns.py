@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, write_text_corpus
 import train_layouts
-from train_layouts import launch_layouts
+from conftest import free_port, write_text_corpus
 
 pytestmark = pytest.mark.netns
 
@@ -140,14 +139,22 @@ def steps(nproc: int) -> list[str]:
     return ["train.max_steps=6", f"train.batch_size={4 // nproc}"]
 
 
+def layouts_by_ranks_per_host(across: bool) -> dict[int, dict[str, list[str]]]:
+    """LAYOUTS grouped by ranks per host, each group name -> its steps and its overrides
+    (the two-host ones where `across`, else the one-host ones): one launch per group."""
+    groups: dict[int, dict[str, list[str]]] = {}
+    for name, nproc, two_host_layout, one_host_layout in LAYOUTS:
+        groups.setdefault(nproc, {})[name] = [*steps(nproc), *(two_host_layout if across else one_host_layout)]
+    return groups
+
+
 @pytest.fixture(scope="module")
 def one_host(workdir) -> dict[str, Path]:
     """Each of LAYOUTS on this host alone, by name: the layouts of one world size one after
     the other in one torchrun launch (tests/train_layouts.py)."""
     runs = {}
-    for nproc in sorted({nproc for _, nproc, _, _ in LAYOUTS}):
-        layouts = {name: [*steps(nproc), *layout] for name, n, _, layout in LAYOUTS if n == nproc}
-        runs.update(launch_layouts(workdir / "one_host", 2 * nproc, layouts, *TINY, *data(workdir)))
+    for nproc, layouts in layouts_by_ranks_per_host(across=False).items():
+        runs.update(train_layouts.launch_layouts(workdir / "one_host", 2 * nproc, layouts, *TINY, *data(workdir)))
     return runs
 
 
@@ -156,15 +163,13 @@ def across_hosts(workdir) -> dict[str, Path]:
     """Each of LAYOUTS across the two hosts, by name, likewise: one two-node launch per
     world size. (The CLI's own two-node command runs in the dead-node tests below.)"""
     runs = {}
-    for nproc in sorted({nproc for _, nproc, _, _ in LAYOUTS}):
-        layouts = {name: [*steps(nproc), *layout] for name, n, layout, _ in LAYOUTS if n == nproc}
+    for nproc, layouts in layouts_by_ranks_per_host(across=True).items():
         runs.update(two_hosts_layouts(workdir, nproc, layouts))
     return runs
 
 
-@pytest.mark.parametrize("name", [layout[0] for layout in LAYOUTS])
-def test_two_hosts_end_with_the_weights_of_one_host(one_host, across_hosts, name):
-    nproc = next(n for layout, n, _, _ in LAYOUTS if layout == name)
+@pytest.mark.parametrize("name, nproc", [layout[:2] for layout in LAYOUTS], ids=[layout[0] for layout in LAYOUTS])
+def test_two_hosts_end_with_the_weights_of_one_host(one_host, across_hosts, name, nproc):
     across, alone = across_hosts[name], one_host[name]
     assert summary(across)["world_size"] == 2 * nproc
     assert summary(across)["mesh"] == summary(alone)["mesh"]
