@@ -210,25 +210,56 @@ def one_thread():
 # quarter of 2 cores idle. What must not run side by side is kept apart here:
 # - the tests of one file run on one worker, in their written order (xdist's `loadfile`
 #   distribution), so a module-scoped fixture (a reference run, `made_once`) is made once;
-# - the tests on a cluster (the one-node Slurm, the emulated hosts and the Slurm on them),
-#   in whichever file, take the clusters' lock: one at a time, as they wait for idle
-#   nodes, set the links' rates and kill hosts;
+# - the tests on a cluster (the one-node Slurm, the emulated hosts and the Slurm on them)
+#   take the clusters' lock: one at a time, as they wait for idle nodes, set the links'
+#   rates and kill hosts. So that the lock seldom keeps a worker waiting (one core idle
+#   while its next test waits for a cluster test on the other worker), their files
+#   (CLUSTER_FILES) go to one worker as one unit, one file after the other;
 # - a test marked `alone` (8 ranks of a model bigger than one rank: most of the machine's
 #   memory) runs with no test beside it: every other test holds a shared lock on the
-#   machine, it an exclusive one;
-# - the files go out longest first, so that the run does not end on one worker still
+#   machine, it an exclusive one, and holds it from its file's first test to the last.
+#   That file goes out first, while the other worker starts the clusters' unit: later,
+#   it would first wait, one core idle, for the end of whatever long test the other
+#   worker was running;
+# - then the units go out longest first, so that the run does not end on one worker still
 #   busy with a long file while the other has nothing left (xdist's own order, most tests
 #   first, sent the few-but-long files last).
 # Locks, not xdist's groups: xdist 3.8 writes a test's `xdist_group` into `item._nodeid`,
 # which pytest 9.2 no longer reads, so its `loadgroup` sends each test on its own
-# (tests/test_suite_scheduling.py runs two workers to hold all four to it).
+# (tests/test_suite_scheduling.py runs two workers to hold all of it to what they did).
+
+# The files holding the tests marked `slurm` or `netns`, by name: xdist's controller,
+# which hands the units out, sees test ids only, not marks (the workers check the list).
+# In this order: should the clusters' unit win the machine's lock at the start, the
+# `alone` file waits for test_slurm.py's first test (a fraction of a second), not for
+# test_netns.py's (about a minute).
+CLUSTER_FILES = ("test_slurm.py", "test_netns.py", "test_slurm_netns.py")
+CLUSTERS_UNIT = "the clusters' tests"
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test goes out in under `-n`: its file, or the clusters' unit."""
+    path = nodeid.split("::", 1)[0]
+    return CLUSTERS_UNIT if Path(path).name in CLUSTER_FILES else path
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under `-n`, a file's tests go to one worker, the files in the order collected."""
+    """Under `-n`, a file's tests go to one worker, the units in the order collected."""
     if getattr(config.option, "dist", "no") != "no":
         config.option.dist = "loadfile"
         config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: where xdist is not installed (gpu_check's image), unused
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's `loadfile`, with the cluster files as one unit (`unit_of`)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class ClusterFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return ClusterFilesTogether(config, log)
 
 
 # What a test is expected to take: a slow one starts processes or compiles (5-110 s
@@ -236,14 +267,32 @@ def pytest_configure(config: pytest.Config) -> None:
 SLOW_TEST_S, QUICK_TEST_S = 30.0, 0.5
 
 
-def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
-    """The items, files in the order of their expected time, longest first (the same
-    order on every worker); each file's tests stay in their written order."""
-    expected: dict[Path, float] = {}
+def units_in_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The items, the unit holding an `alone` test first, the others in the order of their
+    expected time, longest first (the same order on every worker); the cluster files in
+    CLUSTER_FILES's order, each file's tests together in their written order."""
+    expected: dict[str, float] = {}
+    alone: set[str] = set()
     for item in items:
-        expected[item.path] = expected.get(item.path, 0.0) + (
-            SLOW_TEST_S if item.get_closest_marker("slow") else QUICK_TEST_S)
-    return sorted(items, key=lambda item: -expected[item.path])  # stable: written order kept
+        unit = unit_of(item.nodeid)
+        expected[unit] = expected.get(unit, 0.0) + (SLOW_TEST_S if item.get_closest_marker("slow") else QUICK_TEST_S)
+        if item.get_closest_marker("alone"):
+            alone.add(unit)
+
+    def order(item: pytest.Item) -> tuple[bool, float, str, int]:
+        unit = unit_of(item.nodeid)
+        in_unit = CLUSTER_FILES.index(item.path.name) if unit == CLUSTERS_UNIT else 0
+        return unit not in alone, -expected[unit], unit, in_unit  # the name: two units of one time stay apart
+
+    return sorted(items, key=order)  # stable: the tests of a file keep their written order
+
+
+def check_cluster_files(items: list[pytest.Item]) -> None:
+    """Every test on a cluster lives in one of CLUSTER_FILES, or it would go out beside them."""
+    for item in items:
+        if on_a_cluster(item) and item.path.name not in CLUSTER_FILES:
+            raise pytest.UsageError(f"{item.nodeid} is marked slurm or netns but {item.path.name} is not in "
+                                    f"CLUSTER_FILES (tests/conftest.py): add it there")
 
 
 def on_a_cluster(item: pytest.Item) -> bool:
@@ -254,13 +303,14 @@ def on_a_cluster(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that need a cluster (Slurm, emulated hosts) start several processes by nature:
     they are slow too, so `pytest -m "not slow"` leaves them out without listing each.
-    In the workers of `pytest -n` (which collect, the controller does not), the longest
-    files first."""
+    In the workers of `pytest -n` (which collect, the controller does not), the units in
+    the order they go out (`units_in_order`)."""
     for item in items:
         if on_a_cluster(item):
             item.add_marker(pytest.mark.slow)
     if hasattr(config, "workerinput"):
-        items[:] = longest_files_first(items)
+        check_cluster_files(items)
+        items[:] = units_in_order(items)
 
 
 def machine_lock_files(run: str) -> tuple[Path, Path, Path]:
@@ -295,16 +345,38 @@ def clusters_turn(run: str):
         yield
 
 
+def keeps_the_machine(item: pytest.Item) -> bool:
+    """A test marked `alone` and on no cluster: the next such test of its worker takes the
+    machine over from it, without letting the other worker's waiting test in between."""
+    return item.get_closest_marker("alone") is not None and not on_a_cluster(item)
+
+
+# The machine held exclusive from one `alone` test to the next (`pytest_runtest_protocol`).
+_kept_machine: contextlib.ExitStack | None = None
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     """Setup (module fixtures included), call and teardown under the machine's lock (and a
-    cluster test under the clusters' lock), when the test runs in a worker of `pytest -n`."""
+    cluster test under the clusters' lock), when the test runs in a worker of `pytest -n`.
+    Consecutive `alone` tests (a file of them) hold the machine from the first to the last:
+    released in between, each would wait, one core idle, for the end of whichever test
+    the other worker had slipped in."""
     worker = getattr(item.config, "workerinput", None)  # set in xdist's workers only
     if worker is None:
         return (yield)
+    global _kept_machine
     run = worker["testrunuid"]
     with contextlib.ExitStack() as held:
-        if on_a_cluster(item):  # first: waiting for the clusters holds no share an `alone` test waits for
-            held.enter_context(clusters_turn(run))
-        held.enter_context(machine_share(run, exclusive=item.get_closest_marker("alone") is not None))
+        if keeps_the_machine(item):
+            if _kept_machine is None:  # the first of them takes the machine
+                _kept_machine = contextlib.ExitStack()
+                _kept_machine.enter_context(machine_share(run, exclusive=True))
+            if nextitem is None or not keeps_the_machine(nextitem):  # the last gives it back after its teardown
+                held.push(_kept_machine)
+                _kept_machine = None
+        else:
+            if on_a_cluster(item):  # first: waiting for the clusters holds no share an `alone` test waits for
+                held.enter_context(clusters_turn(run))
+            held.enter_context(machine_share(run, exclusive=item.get_closest_marker("alone") is not None))
         return (yield)

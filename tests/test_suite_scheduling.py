@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clusters_turn, descendants, kill_tree, machine_lock_files, machine_share
+from conftest import check_cluster_files, clusters_turn, descendants, kill_tree, machine_lock_files, machine_share
 
 
 def can_take(path: Path, mode: int) -> bool:
@@ -77,18 +77,23 @@ def record(request):
 
 
 @pytest.mark.slow
-def test_two_workers_keep_a_file_together_and_cluster_and_alone_tests_apart(tmp_path):
-    """Three files on two real xdist workers: two with cluster (slow) tests, one with an
-    `alone` test, and a file of more but quick tests. The two long files go out first, one
-    to each worker, the quick one after them (xdist's own order, most tests first, and the
-    collected order would both send it first); each file's tests run on one worker in their
-    written order, no two cluster tests run at once, and nothing runs beside the `alone` test."""
+def test_two_workers_keep_a_file_together_the_cluster_files_on_one_and_alone_tests_apart(tmp_path):
+    """Five files on two real xdist workers: one with two `alone` tests, two with cluster
+    (slow) tests, named as CLUSTER_FILES names them, one with a slow test and one of more
+    but quick tests. The alone tests' file goes out first, the cluster files as one unit
+    to the other worker, one file after the other in CLUSTER_FILES's order, then the rest
+    longest first (xdist's own order, most tests first, and the collected order would both
+    send the quick file first); each file's tests run on one worker in their written
+    order, no two cluster tests run at once, and nothing runs beside the `alone` tests,
+    nor between them."""
     plain = [f"def test_{i}(request): record(request)" for i in range(2)]
     cluster = [f"@pytest.mark.{mark}\ndef test_{mark}_{i}(request): record(request)"
                for i in range(2) for mark in ("slurm", "netns")]
-    alone = ["@pytest.mark.alone\ndef test_alone(request): record(request)"]
+    alone = [f"@pytest.mark.alone\ndef test_alone_{i}(request): record(request)" for i in range(2)]
     quick = [f"def test_quick_{i}(request): record(request)" for i in range(8)]
-    files = {"test_a.py": quick, "test_c.py": plain + cluster, "test_d.py": cluster + alone + plain}
+    slow = ["@pytest.mark.slow\ndef test_slow(request): record(request)", *plain]
+    files = {"test_a.py": quick, "test_b.py": alone + plain, "test_c.py": slow, "test_netns.py": cluster + plain,
+             "test_slurm.py": plain + cluster}
     for name, tests in files.items():
         (tmp_path / name).write_text(INNER_TEST.format(tests="\n".join(tests)))
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
@@ -99,22 +104,45 @@ def test_two_workers_keep_a_file_together_and_cluster_and_alone_tests_apart(tmp_
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     runs = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda r: r["start"])
+    of = {name: [r for r in runs if r["test"].startswith(f"{name}::")] for name in files}
     for name, tests in files.items():
-        ran = [r for r in runs if r["test"].startswith(f"{name}::")]
         written = [test.split("def ", 1)[1].split("(", 1)[0] for test in tests]
-        assert [r["test"].split("::")[1] for r in ran] == written, ran
-        assert len({r["worker"] for r in ran}) == 1, ran
-    assert {r["worker"] for r in runs} == {"gw0", "gw1"}  # a file each: the clusters' lock is what kept them apart
-    began = {name: min(r["start"] for r in runs if r["test"].startswith(f"{name}::")) for name in files}
-    assert began["test_a.py"] > max(began["test_c.py"], began["test_d.py"]), began  # handed out once a worker ran low
+        assert [r["test"].split("::")[1] for r in of[name]] == written, of[name]
+        assert len({r["worker"] for r in of[name]}) == 1, of[name]
+    assert {r["worker"] for r in runs} == {"gw0", "gw1"}
+    # The cluster files: one worker, one file and then the other, in CLUSTER_FILES's order.
+    assert of["test_netns.py"][0]["worker"] == of["test_slurm.py"][0]["worker"]
+    assert max(r["end"] for r in of["test_slurm.py"]) <= min(r["start"] for r in of["test_netns.py"]), runs
+    # What each worker began with: the alone test's file, the clusters' unit; then the longer file first.
+    first = {worker: next(r["test"].split("::")[0] for r in runs if r["worker"] == worker) for worker in ("gw0", "gw1")}
+    assert sorted(first.values()) == ["test_b.py", "test_slurm.py"], first
+    assert of["test_c.py"][0]["start"] < of["test_a.py"][0]["start"], runs
 
     def overlap(x: dict, y: dict) -> bool:
         return x["start"] < y["end"] and y["start"] < x["end"]
 
     clustered = [r for r in runs if "_slurm_" in r["test"] or "_netns_" in r["test"]]
     assert not any(overlap(x, y) for x in clustered for y in clustered if x is not y), clustered
-    (lone,) = [r for r in runs if r["test"].endswith("::test_alone")]
-    assert not any(overlap(lone, other) for other in runs if other is not lone), runs
+    # The alone tests, one after the other, hold the machine from the first's start to the last's end.
+    lone = [r for r in runs if "::test_alone_" in r["test"]]
+    held = {"start": lone[0]["start"], "end": lone[-1]["end"]}
+    assert not any(overlap(held, other) for other in runs if other not in lone), runs
+
+
+def test_a_cluster_test_outside_the_cluster_files_is_refused_by_name():
+    """xdist's controller groups the cluster files by name (it sees no marks): a test
+    marked slurm or netns elsewhere would go out beside them, so collection stops."""
+    class Item:
+        def __init__(self, path: str, mark: str | None):
+            self.nodeid, self.path, self.mark = f"{path}::test_x", Path(path), mark
+
+        def get_closest_marker(self, name: str):
+            return name if name == self.mark else None
+
+    check_cluster_files([Item("tests/test_slurm.py", "slurm"), Item("tests/test_b.py", None)])
+    with pytest.raises(pytest.UsageError, match=r"^tests/test_b.py::test_x is marked slurm or netns but test_b.py "
+                                                r"is not in CLUSTER_FILES"):
+        check_cluster_files([Item("tests/test_b.py", "netns")])
 
 
 def test_kill_tree_reaches_a_grandchild_in_a_session_of_its_own():
