@@ -288,6 +288,10 @@ class CheckpointConfig:
     # Save every N optimizer steps (the default policy, which quantum_save replaces); 0: only
     # the final save and the save on SIGTERM/SIGINT.
     every: int = 100
+    # Save after the last step. false: a run that needs no final checkpoint (a benchmark, a
+    # smoke test of a big model) skips its write; saves every N steps and on a stop signal
+    # still happen.
+    at_end: bool = True
     keep_last: int = 3
     # Resume a checkpoint written with a different set of tricks.
     allow_trick_change: bool = False

@@ -161,6 +161,16 @@ def test_keep_last_prunes_only_after_a_new_checkpoint_is_complete(tmp_path, text
     assert names == ["step_000008", "step_000010"]
 
 
+def test_at_end_false_skips_only_the_save_after_the_last_step(tmp_path, text_corpus):
+    saved = {}
+    for at_end in ("true", "false"):
+        run_dir = tmp_path / at_end
+        summary = make_trainer(run_dir, text_corpus, tmp_path, "train.max_steps=5", "ckpt.every=3",
+                               f"ckpt.at_end={at_end}").fit()
+        saved[at_end] = (sorted(p.name for p in (run_dir / "checkpoints").iterdir()), summary["checkpoint_saves"])
+    assert saved == {"true": (["step_000003", "step_000005"], 2), "false": (["step_000003"], 1)}
+
+
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, text_corpus, monkeypatch):
     trainer = make_trainer(tmp_path / "run", text_corpus, tmp_path, "train.max_steps=10")
     for _ in range(3):
