@@ -59,7 +59,7 @@ def collect() -> list[pytest.Item]:
     return collector.items
 
 
-def test_times(junit: Path) -> dict[str, float]:
+def times_in(junit: Path) -> dict[str, float]:
     """Each test's time in a run (setup, call and teardown: JUnit's `time`), by node id."""
     times = {}
     for case in ET.parse(junit).iter("testcase"):
@@ -123,7 +123,7 @@ def main() -> None:
     items = collect()
     print(f"{'run':40} {'before':>8} {'now':>8} {'bound':>8}  (seconds of pytest)")
     for junit in args.runs:
-        times = test_times(junit)
+        times = times_in(junit)
         alone = sum(times.get(i.nodeid, 0.0) for i in items if i.get_closest_marker("alone"))
         bound = (sum(times.get(i.nodeid, 0.0) for i in items) - alone) / 2 + alone
         print(f"{str(junit):40} {replay(items, times, False):8.0f} {replay(items, times, True):8.0f} {bound:8.0f}")

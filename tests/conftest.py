@@ -287,6 +287,17 @@ def units_in_order(items: list[pytest.Item]) -> list[pytest.Item]:
     return sorted(items, key=order)  # stable: the tests of a file keep their written order
 
 
+class MarkedTest:
+    """A stand-in for a collected test where only its id, file and marks are read: the
+    scheduling's own tests (tests/test_suite_scheduling.py, tests/test_replay_schedule.py)."""
+
+    def __init__(self, nodeid: str, *marks: str):
+        self.nodeid, self.path, self.marks = nodeid, Path(nodeid.split("::")[0]), set(marks)
+
+    def get_closest_marker(self, name: str) -> str | None:
+        return name if name in self.marks else None
+
+
 def check_cluster_files(items: list[pytest.Item]) -> None:
     """Every test on a cluster lives in one of CLUSTER_FILES, or it would go out beside them."""
     for item in items:

@@ -5,20 +5,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from conftest import MarkedTest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "replay_schedule.py"
 spec = importlib.util.spec_from_file_location("replay_schedule", SCRIPT)
 replay_schedule = sys.modules["replay_schedule"] = importlib.util.module_from_spec(spec)  # its dataclass needs it
 spec.loader.exec_module(replay_schedule)
-
-
-class Item:
-    """What the replay reads of a collected test: its id, file and marks."""
-
-    def __init__(self, nodeid: str, *marks: str):
-        self.nodeid, self.path, self.marks = nodeid, Path(nodeid.split("::")[0]), {"slow", *marks}
-
-    def get_closest_marker(self, name: str):
-        return name if name in self.marks else None
 
 
 def test_the_alone_file_first_and_whole_and_the_clusters_on_one_worker_save_the_waits():
@@ -27,9 +19,10 @@ def test_the_alone_file_first_and_whole_and_the_clusters_on_one_worker_save_the_
     the second cluster test for it (to 40 s), then the other test ends at 70 s. Now: the
     alone tests hold the machine 0-20 s, the clusters follow on one worker (to 60 s), the
     other test on the other (20-50 s). No order beats 55 s: 20 s alone, then 70 s on two."""
-    items = [Item("tests/test_big.py::test_a1", "alone"), Item("tests/test_big.py::test_a2", "alone"),
-             Item("tests/test_netns.py::test_n1", "netns"), Item("tests/test_netns.py::test_n2", "netns"),
-             Item("tests/test_x.py::test_x")]
+    items = [MarkedTest("tests/test_big.py::test_a1", "slow", "alone"),
+             MarkedTest("tests/test_big.py::test_a2", "slow", "alone"),
+             MarkedTest("tests/test_netns.py::test_n1", "slow", "netns"),
+             MarkedTest("tests/test_netns.py::test_n2", "slow", "netns"), MarkedTest("tests/test_x.py::test_x", "slow")]
     times = dict(zip((i.nodeid for i in items), (10.0, 10.0, 20.0, 20.0, 30.0)))
     assert replay_schedule.replay(items, times, current=False) == 70.0
     assert replay_schedule.replay(items, times, current=True) == 60.0

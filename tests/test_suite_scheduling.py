@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import check_cluster_files, clusters_turn, descendants, kill_tree, machine_lock_files, machine_share
+from conftest import (
+    MarkedTest, check_cluster_files, clusters_turn, descendants, kill_tree, machine_lock_files, machine_share,
+)
 
 
 def can_take(path: Path, mode: int) -> bool:
@@ -132,17 +134,10 @@ def test_two_workers_keep_a_file_together_the_cluster_files_on_one_and_alone_tes
 def test_a_cluster_test_outside_the_cluster_files_is_refused_by_name():
     """xdist's controller groups the cluster files by name (it sees no marks): a test
     marked slurm or netns elsewhere would go out beside them, so collection stops."""
-    class Item:
-        def __init__(self, path: str, mark: str | None):
-            self.nodeid, self.path, self.mark = f"{path}::test_x", Path(path), mark
-
-        def get_closest_marker(self, name: str):
-            return name if name == self.mark else None
-
-    check_cluster_files([Item("tests/test_slurm.py", "slurm"), Item("tests/test_b.py", None)])
+    check_cluster_files([MarkedTest("tests/test_slurm.py::test_x", "slurm"), MarkedTest("tests/test_b.py::test_x")])
     with pytest.raises(pytest.UsageError, match=r"^tests/test_b.py::test_x is marked slurm or netns but test_b.py "
                                                 r"is not in CLUSTER_FILES"):
-        check_cluster_files([Item("tests/test_b.py", "netns")])
+        check_cluster_files([MarkedTest("tests/test_b.py::test_x", "netns")])
 
 
 def test_kill_tree_reaches_a_grandchild_in_a_session_of_its_own():
