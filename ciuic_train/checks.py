@@ -103,6 +103,9 @@ def validate(config: Config) -> None:
         raise UserError(f"ckpt.keep_last={config.ckpt.keep_last} must be at least 1")
     check_dist(config)
     check_ft(config.ft, config.train.log_grad_consistency, config.model.n_layers)
+    if config.fault.slow_alone and not config.ft.enabled:
+        raise UserError("fault.slow_alone=true slows a replica group while the others are gone: "
+                        "it needs ft.enabled=true (without it the one group is never alone)")
     check_tricks(config.trick)
     check_loggers(config.logger)
     if config.sample.temperature <= 0:

@@ -39,7 +39,10 @@ class FaultConfig:
     # as a slower machine would take longer (rehearses the straggler warning).
     slow_rank: int = -1
     slow_s: float = 0.0
-
+    # With ft: only in the steps its replica group takes without all the others. A survivor
+    # then waits for a lost group however long that group's restart takes, and trains at
+    # full speed once it is back (rehearses a rejoin mid-run without a fixed margin).
+    slow_alone: bool = False
 
 
 def inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
@@ -56,9 +59,10 @@ def poison_loss(fault: FaultConfig, rank: int, step: int, loss):
     return loss * float("nan") if rank == fault.nan_rank and step == fault.nan_at_step else loss
 
 
-def slow_down(fault: FaultConfig, rank: int) -> None:
-    """On rank `fault.slow_rank`, sleep `fault.slow_s` seconds: a step that takes longer there."""
-    if rank == fault.slow_rank:
+def slow_down(fault: FaultConfig, rank: int, alone: bool) -> None:
+    """On rank `fault.slow_rank`, sleep `fault.slow_s` seconds: a step that takes longer
+    there (with `fault.slow_alone`, only while its replica group is `alone`)."""
+    if rank == fault.slow_rank and (alone or not fault.slow_alone):
         time.sleep(fault.slow_s)
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from conftest import assert_refused, compose_config, descendants, free_port, kill_tree, run_cli
 from train_layouts import launch_layouts
+from ciuic_train import faults
+from ciuic_train.faults import FaultConfig
 
 TINY = ["model=tiny", "sample.max_new_tokens=0", "train.log_every=5", "train.eval_every=1000", "progress=plain"]
 
@@ -54,12 +56,23 @@ def one_world(tmp_path_factory) -> dict[str, Path]:
         (["ft.enabled=true", "ft.group=2"], "ft.group=2 must be between 0 and ft.groups-1=1"),
         (["ft.enabled=true", "dist.nproc_per_node=2", "ft.min_groups=3"], "ft.min_groups=3 must be between 1"),
         (["ft.enabled=true", "ft.timeout_s=0"], "ft.timeout_s=0.0 must be positive"),
+        (["fault.slow_alone=true"], "fault.slow_alone=true slows a replica group while the others are gone"),
     ],
 )
 def test_ft_mistakes_get_one_line_and_start_nothing(tmp_path: Path, args, expected):
     run_dir = tmp_path / "run"
     result = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
     assert_refused(result, expected, run_dir)
+
+
+def test_slow_alone_sleeps_only_on_the_slow_rank_while_its_group_is_alone(monkeypatch):
+    slept = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    always, alone_only = FaultConfig(slow_rank=0, slow_s=0.5), FaultConfig(slow_rank=0, slow_s=0.5, slow_alone=True)
+    for fault, rank, alone in [(always, 0, False), (alone_only, 0, False), (alone_only, 1, True), (alone_only, 0, True)]:
+        faults.slow_down(fault, rank, alone)
+        slept.append("|")
+    assert slept == [0.5, "|", "|", "|", 0.5, "|"]
 
 
 def test_ft_is_off_by_default_and_typed():
@@ -131,22 +144,24 @@ def _assert_survived_and_healed(run_dir: Path, max_steps: int) -> tuple[dict, li
 @pytest.mark.slow
 def test_a_group_killed_between_steps_leaves_the_other_training_and_heals_on_restart(tmp_path: Path):
     """Group 1 dies after step 20 and its torchrun restarts it. The lighthouse drops it
-    within a second (ft.timeout_s=2), group 0 trains alone (each step logged) at most 20
-    steps a second (its 0.05 s pause), so the restarted group, back after several
-    seconds, finds it mid-run and heals from it."""
+    within a second (ft.timeout_s=2); group 0 trains alone (each step logged), 0.5 s a
+    step while alone (`fault.slow_alone`: 50 s for 100 steps, however long the restart
+    takes), so the restarted group finds it mid-run and heals from it; then both train
+    at full speed."""
     run_dir = tmp_path / "run"
     result = run_cli(
-        *TINY, "train.max_steps=300", "train.log_every=1", "dist.nproc_per_node=2", "ft.enabled=true",
+        *TINY, "train.max_steps=120", "train.log_every=1", "dist.nproc_per_node=2", "ft.enabled=true",
         "ft.timeout_s=2", "dist.max_restarts=1", "fault.kill_rank=1", "fault.at_step=20", "fault.slow_rank=0",
-        "fault.slow_s=0.05", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+        "fault.slow_s=0.5", "fault.slow_alone=true", f"data.cache_dir={tmp_path / 'cache'}",
+        f"hydra.run.dir={run_dir}", cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    mine, rejoined = _assert_survived_and_healed(run_dir, 300)
+    mine, rejoined = _assert_survived_and_healed(run_dir, 120)
     assert mine["retried_steps"] == 0  # lost between two steps: the next quorum went on without it
     assert 0 < mine["longest_stall_s"] < 30
     assert "1 of 2 groups take part from step 21" in result.stdout + result.stderr
     steps = [r["step"] for r in rejoined]
-    assert steps[:20] == list(range(1, 21)) and steps == sorted(set(steps)) and steps[-1] == 300
+    assert steps[:20] == list(range(1, 21)) and steps == sorted(set(steps)) and steps[-1] == 120
     assert steps[20] > 21  # it came back at the live step, not where it died
 
 

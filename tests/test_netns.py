@@ -176,7 +176,7 @@ def test_two_hosts_end_with_the_weights_of_one_host(one_host, across_hosts, name
     assert summary(across)["param_checksum"] == summary(alone)["param_checksum"]
 
 
-LONG = ["train.max_steps=300", "train.batch_size=4", "train.log_every=1", "ckpt.every=50", "dist.timeout_s=30"]
+LONG = ["train.max_steps=150", "train.batch_size=4", "train.log_every=1", "ckpt.every=50", "dist.timeout_s=30"]
 
 
 @pytest.fixture(scope="module")
