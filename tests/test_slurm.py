@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -117,6 +118,30 @@ def array_job_ids(sweep: Path, count: int = 1, timeout: float = 60) -> list[str]
 
 
 # --- without a cluster -------------------------------------------------------------
+
+
+class EndedJob:
+    """A submitit job that has ended in `state`, with or without its result file."""
+
+    def __init__(self, state: str, result_file: Path):
+        self.state, self.paths = state, SimpleNamespace(result_pickle=result_file)
+
+    def wait(self) -> None:
+        pass
+
+    def results(self) -> list:
+        return ["its return"]
+
+
+def test_a_job_slurm_stopped_is_reported_without_waiting_for_a_result_that_cannot_come(tmp_path):
+    launchers = pytest.importorskip("hydra_plugins.ciuic_train_launcher._launchers")  # the `slurm` extra
+    job_result, UncompletedJobError = launchers._result, pytest.importorskip("submitit.core.utils").UncompletedJobError
+    missing = tmp_path / "no_result.pkl"
+    with pytest.raises(UncompletedJobError, match="CANCELLED by 0"):
+        job_result(EndedJob("CANCELLED by 0", missing))
+    assert job_result(EndedJob("COMPLETED", missing)) == "its return"  # submitit's own wait for the file
+    missing.touch()  # written before the cancel came
+    assert job_result(EndedJob("CANCELLED by 0", missing)) == "its return"
 
 
 def test_launcher_mistakes_are_one_line_errors(tmp_path, monkeypatch):

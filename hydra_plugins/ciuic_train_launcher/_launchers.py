@@ -22,6 +22,22 @@ from ciuic_train.launch.slurm import WORKER_OVERRIDES, Task
 
 log = logging.getLogger("ciuic_train")
 
+# Slurm's states for a job stopped from outside (scancel, the time limit, a lost node, the
+# OOM killer): its function never returned, so no result file will come. submitit would
+# still wait 15 s for one (room for a slow shared filesystem), per job, before saying so.
+STOPPED_FROM_OUTSIDE = {"CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+
+
+def _result(job: Any) -> JobReturn:
+    """The job's return once it has ended; UncompletedJobError at once for a job Slurm
+    stopped before it wrote one."""
+    import submitit
+
+    job.wait()
+    if job.state.split()[0] in STOPPED_FROM_OUTSIDE and not job.paths.result_pickle.exists():
+        raise submitit.core.utils.UncompletedJobError(job.state)
+    return job.results()[0]
+
 
 class _TrainingTasks:
     """What each task of a submitted job does before Hydra runs it, and how a sweep ends."""
@@ -66,7 +82,7 @@ class _TrainingTasks:
         returns, failures = [], []
         for number, overrides, job in zip(numbers, job_overrides, jobs):
             try:
-                returns.append(job.results()[0])
+                returns.append(_result(job))
                 continue
             except submitit.core.utils.UncompletedJobError:
                 reason = f"ended {job.state} without a result"
