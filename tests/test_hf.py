@@ -29,6 +29,7 @@ from ciuic_train.checkpoint.hf_weights import INDEX_FILE, check_init_from, hf_na
 from ciuic_train.checkpoint.safetensors_rows import TensorFile
 from ciuic_train.model import Transformer
 from ciuic_train.model.config import ModelConfig
+from ciuic_train.model.init import ParameterInit
 from ciuic_train.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
@@ -174,6 +175,23 @@ def test_a_resumed_run_keeps_its_own_weights_not_init_from(plain, tmp_path, monk
     assert resumed.resumed_from is not None and resumed.step == 1
     for (name, ours), theirs in zip(resumed.model.state_dict().items(), first.model.state_dict().values()):
         assert torch.equal(ours, theirs), name
+
+
+def test_no_value_is_drawn_for_a_weight_init_from_or_a_resume_will_overwrite(plain, tmp_path, monkeypatch):
+    """Drawing them would only cost time: seconds a rank for a big model."""
+    _, folder, overrides = plain
+    drawn, draw = [], ParameterInit.fill_
+    monkeypatch.setattr(ParameterInit, "fill_", lambda self, key, *args: drawn.append(key) or draw(self, key, *args))
+    fresh = Trainer(config_of(*overrides), tmp_path / "fresh")
+    assert sorted(drawn) == sorted(name for name, p in fresh.model.named_parameters() if p.dim() > 1)  # the control
+    drawn.clear()
+    Trainer(config_of(*overrides, f"init_from={folder}"), tmp_path / "started")
+    assert drawn == []  # the export holds every weight
+    fresh.train_step()
+    fresh.save_checkpoint()
+    resumed = Trainer(config_of(*overrides), tmp_path / "fresh")
+    assert resumed.resumed_from is not None and drawn == []
+    assert torch.equal(resumed.model.rope_cos, fresh.model.rope_cos)  # what no checkpoint holds is made
 
 
 def test_explicit_model_overrides_win_over_config_json_and_a_mismatch_is_one_line(plain, corpus, tmp_path, capsys):

@@ -118,9 +118,11 @@ class Transformer(nn.Module):
             self.init_weights(ParameterInit(seed))
 
     @torch.no_grad()
-    def init_weights(self, init: ParameterInit | None = None) -> None:
+    def init_weights(self, init: ParameterInit | None = None, provided: frozenset[str] = frozenset()) -> None:
         """(Re)initialise every parameter and buffer: matrices and embeddings normal(0,
-        `init_std`), norms 1, the experts' bias and counts 0, the RoPE tables computed.
+        `init_std`), norms 1, the experts' bias and counts 0, the RoPE tables computed;
+        except the parameters named in `provided`, which the caller fills itself (values
+        it would draw here only to overwrite: seconds a rank for a big model).
 
         Each parameter's values come from `init`'s seed and the parameter's name
         (`model/init.py`), so they do not depend on how the parameters are sharded, on
@@ -136,6 +138,8 @@ class Transformer(nn.Module):
                 if id(param) in done:
                     continue
                 done.add(id(param))
+                if f"{module_name}.{leaf}" in provided:
+                    continue
                 if isinstance(module, RMSNorm):
                     init.constant_(param, 1.0)
                 else:  # Linear and Embedding weights, and the MoE's stacked experts

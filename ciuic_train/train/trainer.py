@@ -50,7 +50,7 @@ from typing import Any, Iterator
 import torch
 
 from ciuic_train.checkpoint.checkpointer import Checkpointer
-from ciuic_train.checkpoint.hf_weights import load_hf_weights
+from ciuic_train.checkpoint.hf_weights import load_hf_weights, plan_load
 from ciuic_train.checkpoint.resume import (
     check_resumable,
     data_world,
@@ -183,12 +183,19 @@ class Trainer:
     def _initialize(self, model: Transformer) -> None:
         """The step-0 values of the rows of each parameter this rank holds: the model's init
         (the same global weights for every layout and world size), a trick's, then
-        `init_from`'s weights, read by shard (a resume restores its own weights)."""
+        `init_from`'s weights, read by shard, for the parameters it holds (no value is drawn
+        for those). A resume restores every weight itself (DCP loads strictly; a rejoining
+        replica group takes a peer's or the checkpoint's): only the buffers no checkpoint
+        holds are made."""
+        if self.resumed_from is not None:
+            model.init_unsaved_buffers()
+            return
         init = ParameterInit(self.config.seed, local_rows)
-        model.init_weights(init)
+        folder = Path(self.config.init_from).expanduser() if self.config.init_from else None
+        model.init_weights(init, provided=frozenset(plan_load(model, folder)[1]) if folder else frozenset())
         self.tricks.init_weights(model, init)
-        if self.config.init_from and self.resumed_from is None:
-            load_hf_weights(model, Path(self.config.init_from).expanduser(), local_rows)
+        if folder:
+            load_hf_weights(model, folder, local_rows)
             log.info(f"weights from {self.config.init_from}; peak memory of this rank so far "
                      f"{format_bytes(peak_memory_bytes(self.device))}")
 
