@@ -316,14 +316,16 @@ def test_time_folded_accumulation_weighs_a_pipelines_accumulated_steps(tmp_path,
 
 
 @pytest.mark.slow
-def test_compiled_blocks_in_the_stages_train_as_eager(tmp_path, monkeypatch, made_once):
+def test_compiled_blocks_in_the_stages_train_as_eager(tmp_path, made_once):
     """compile=true under 1f1b: each stage's blocks compiled (inductor, C++ on CPU; most of a
-    minute on 2 cores), the curve and the final validation the eager pipeline's (the shared
-    reference run)."""
-    cache = tmp_path / "inductor"
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the ranks' compiled code lands here
-    compiled = metrics(run_pipeline(tmp_path, "compiled", "compile=true", *MOE_BLOCKS))
-    assert any(cache.rglob("*.py")), "nothing was compiled"
+    minute on 2 cores, or a few seconds where test_trainer's compiled test has filled
+    inductor's cache with the same MoE block), the curve and the final validation the eager
+    pipeline's (the shared reference run)."""
+    run_dir = run_pipeline(tmp_path, "compiled", "compile=true", *MOE_BLOCKS)
+    figures = json.loads((run_dir / "summary.json").read_text())
+    assert figures["compiled_graphs"] > 0  # rank 0's stage ran dynamo's graphs
+    assert "compiled_graphs" not in json.loads((made_once(two_rank_pipelines)["moe_blocks"] / "summary.json").read_text())
+    compiled = metrics(run_dir)
     eager = metrics(made_once(two_rank_pipelines)["moe_blocks"])
     assert [m["loss"] for m in compiled] == pytest.approx([m["loss"] for m in eager], abs=1e-4)
     assert [m["grad_norm"] for m in compiled] == pytest.approx([m["grad_norm"] for m in eager], rel=1e-3)

@@ -32,6 +32,17 @@ from ciuic_train.tricks.base import TrickSet
 log = logging.getLogger("ciuic_train")
 
 
+def _compile_figures(compiled: bool) -> dict[str, int]:
+    """With `compile=true`, rank 0's: the graphs dynamo compiled (fresh or from inductor's
+    cache, for training and for evaluation) and its graph breaks, each a place where a
+    block runs Python between two graphs (`TORCH_LOGS=graph_breaks` names them)."""
+    if not compiled:
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {"compiled_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
 @dataclass(eq=False)  # a holder of the run's parts, compared by identity
 class RunRecord:
     """The run's words, built from its parts. `model` is what this rank holds; `model_shape`
@@ -114,6 +125,7 @@ class RunRecord:
             "kernels": self.config.model.kernels,
             "device": str(self.parallel.device),
             "precision": self.config.precision.value,
+            **_compile_figures(self.config.compile),
             **self.watch.metrics(),
             "checkpoint_saves": self.checkpointer.saves,
             "checkpoint_seconds": self.checkpointer.seconds,
