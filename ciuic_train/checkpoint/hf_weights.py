@@ -228,7 +228,8 @@ def check_init_from(model_config: ModelConfig, folder: Path) -> None:
     plan_load(model, folder)
 
 
-def load_hf_weights(model: Transformer, folder: Path, locate: Callable[[torch.Tensor], Rows] | None = None) -> None:
+def load_hf_weights(model: Transformer, folder: Path, locate: Callable[[torch.Tensor], Rows] | None = None,
+                    plan: tuple[dict[str, Path], dict[str, list[str]]] | None = None) -> None:
     """Copy a Hugging Face DeepSeek-V3/V2 folder's weights into `model`, after checking every
     name and shape: on a mismatch nothing is copied.
 
@@ -244,7 +245,7 @@ def load_hf_weights(model: Transformer, folder: Path, locate: Callable[[torch.Te
     from ciuic_train.model.init import whole_rows
 
     locate = locate or whole_rows
-    files, sources = plan_load(model, folder)
+    files, sources = plan or plan_load(model, folder)
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     held = {ours: locate(targets[ours]) for ours in sources}  # the rows this rank holds of each
     total = sum(rows.local.numel() * rows.local.element_size() for rows in held.values())

@@ -34,8 +34,10 @@ class TrainerSeams(StepSeams):
         t = self.trainer
         if self.measure_consistency:
             self.figures["grad_consistency"] = average_gradients_with_consistency(list(t.model.parameters()), t.parallel)
-        alone = t.replicas.step_figures().get("participants", t.replicas.groups) < t.replicas.groups
-        slow_down(t.config.fault, t.replicas.global_rank(t.parallel.info.rank), alone)  # before any exchange
+        fault = t.config.fault
+        groups = t.replicas.groups
+        alone = fault.slow_alone and t.replicas.step_figures().get("participants", groups) < groups
+        slow_down(fault, t.replicas.global_rank(t.parallel.info.rank), alone)  # before any exchange
         # Across replica groups (ft): the gradients and figures averaged, the experts' token counts summed.
         across = t.replicas.average_([p.grad for p in t.model.parameters() if p.grad is not None],
                                      torch.stack([loss, *side_losses.values()]), sums=t.model.expert_counts())

@@ -192,10 +192,11 @@ class Trainer:
             return
         init = ParameterInit(self.config.seed, local_rows)
         folder = Path(self.config.init_from).expanduser() if self.config.init_from else None
-        model.init_weights(init, provided=frozenset(plan_load(model, folder)[1]) if folder else frozenset())
+        plan = plan_load(model, folder) if folder else None
+        model.init_weights(init, provided=frozenset(plan[1]) if plan else frozenset())
         self.tricks.init_weights(model, init)
         if folder:
-            load_hf_weights(model, folder, local_rows)
+            load_hf_weights(model, folder, local_rows, plan)
             log.info(f"weights from {self.config.init_from}; peak memory of this rank so far "
                      f"{format_bytes(peak_memory_bytes(self.device))}")
 
