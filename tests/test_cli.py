@@ -1,5 +1,6 @@
 """The command as users type it: installed console script, run from a folder outside the repo."""
 
+import gc
 import json
 import re
 import signal
@@ -12,6 +13,7 @@ import pytest
 
 from ciuic_train.cli.flags import parse_hydra_command_line
 from ciuic_train.cli.preflight import check_request
+from ciuic_train.cli.startup import start_up, thaw
 from ciuic_train.errors import UserError
 from ciuic_train.tricks import registry
 from conftest import run_cli
@@ -231,3 +233,21 @@ def test_the_resume_check_counts_every_node_s_ranks(tmp_path: Path, text_corpus:
     assert job.config.dist.nnodes == 2
     with pytest.raises(UserError, match="checkpoint was written by 2 ranks, this run has 1: the state of its tricks"):
         check_request([*resume, "dist.nnodes=1"])
+
+
+def test_start_up_pauses_the_collector_then_freezes_what_it_made():
+    try:
+        gc.enable()
+        with start_up():
+            assert not gc.isenabled()
+            made = [[] for _ in range(1000)]  # containers the collector tracks
+        assert gc.isenabled() and gc.get_freeze_count() >= len(made)
+        thaw()
+        assert gc.get_freeze_count() == 0
+        gc.disable()
+        with start_up():
+            pass
+        assert not gc.isenabled()  # left as it was found
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -89,8 +89,17 @@ def sbatch(*args: str, cwd: Path, wait: bool = True) -> str:
     return job_id
 
 
-def exit_code(job: str) -> str:
-    return subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "ExitCode"], capture_output=True, text=True).stdout.strip()
+def exit_code(job: str, timeout: float = 30) -> str:
+    """The job's exit code as accounting records it, once the record says the job ended: a
+    job that has left the queue can still read RUNNING there, with exit code 0:0."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state, code = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode"],
+                                     capture_output=True, text=True).stdout.strip().partition("|")[::2]
+        if state not in ("", "PENDING", "RUNNING", "REQUEUED", "COMPLETING", "SUSPENDED"):
+            return code
+        assert time.monotonic() < deadline, f"accounting still has job {job} {state or 'unrecorded'} after {timeout} s"
+        time.sleep(0.2)
 
 
 def release_when_requeued(job: str, timeout: float = 60) -> None:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from ciuic_train.cli.compose import CONFIG_MODULE, CONFIG_NAME, job_config
 from ciuic_train.cli.flags import PROG
 from ciuic_train.cli.messages import fail, is_rank_0, print_error
+from ciuic_train.cli.startup import start_up, thaw
 from ciuic_train.config import Config
 from ciuic_train.errors import RUN_FAILED_STATUS, RankFailed, RunFailed, UserError
 from ciuic_train.launch import modes as launch, runlock
@@ -67,17 +68,19 @@ def hydra_job(cfg: DictConfig) -> float:
 
 
 def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> dict[str, Any]:
-    from ciuic_train.distributed.process_group import Parallel, RankInfo, lost_peers_message  # torch only when a job runs
-    from ciuic_train.train.trainer import Trainer, resolve_device
+    with start_up():  # start-up until the steps begin (cli/startup.py)
+        from ciuic_train.distributed.process_group import Parallel, RankInfo, lost_peers_message  # torch only when a job runs
+        from ciuic_train.train.trainer import Trainer, resolve_device
 
     info = RankInfo.from_env()
     if not info.is_main and config.dist.rank_logs:
         logging.getLogger().addHandler(_rank_log_handler(run_dir / f"rank{info.rank}.log"))
     parallel, finished = None, False
     try:
-        parallel = Parallel(config.dist, resolve_device(config.device, info.local_rank), config.model.n_routed_experts)
-        _require_same_config(parallel, cfg)
-        trainer = Trainer(config, run_dir, parallel)
+        with start_up():
+            parallel = Parallel(config.dist, resolve_device(config.device, info.local_rank), config.model.n_routed_experts)
+            _require_same_config(parallel, cfg)
+            trainer = Trainer(config, run_dir, parallel)
         summary = trainer.fit()
         sample = trainer.sample() if not summary["stopped_by"] else None
         finished = True
@@ -103,6 +106,7 @@ def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> di
     finally:
         if parallel is not None:
             parallel.close(clean=finished)
+        thaw()
     if info.is_main and not summary["stopped_by"]:
         show_results(summary, sample, config.sample.prompt)
     return summary

@@ -25,6 +25,7 @@ from ciuic_train.cli.help import list_tricks, print_help
 from ciuic_train.cli.job import hydra_job
 from ciuic_train.cli.messages import fail, is_rank_0
 from ciuic_train.cli.preflight import CheckedJob, check_request
+from ciuic_train.cli.startup import start_up
 from ciuic_train.errors import UserError
 from ciuic_train.launch import modes as launch, runlock
 
@@ -66,7 +67,8 @@ def _run_command(argv: list[str], args: argparse.Namespace) -> None:
         if runs_jobs(args):
             path = launch.current()
             argv += path.overrides_before_check(argv)
-            jobs = check_request(argv, path, check_memory=not plan)
+            with start_up():  # imports torch and composes every job: start-up (cli/startup.py)
+                jobs = check_request(argv, path, check_memory=not plan)
             if plan:
                 from ciuic_train.plan.tables import print_plan
 
