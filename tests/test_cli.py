@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import weakref
 from importlib.metadata import version
 from pathlib import Path
 
@@ -235,15 +236,25 @@ def test_the_resume_check_counts_every_node_s_ranks(tmp_path: Path, text_corpus:
         check_request([*resume, "dist.nnodes=1"])
 
 
-def test_start_up_pauses_the_collector_then_freezes_what_it_made():
+class Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_start_up_pauses_the_collector_then_freezes_what_it_made_until_the_job_ends():
     try:
         gc.enable()
         with start_up():
             assert not gc.isenabled()
             made = [[] for _ in range(1000)]  # containers the collector tracks
+            cycle = Cycle()
         assert gc.isenabled() and gc.get_freeze_count() >= len(made)
+        dropped = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert dropped() is not None  # frozen: no collection looks at it
         thaw()
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() == 0 and dropped() is None  # collected with the job's end
         gc.disable()
         with start_up():
             pass

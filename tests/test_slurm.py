@@ -82,7 +82,11 @@ def wait_until_gone(job: str, timeout: float = 300) -> None:
 def sbatch(*args: str, cwd: Path, wait: bool = True) -> str:
     """Submit a batch job; with wait, return once it has left the queue (`sbatch --wait`
     polls with a back-off of up to half a minute, longer than these jobs run)."""
-    job = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, capture_output=True, text=True, check=True)
+    # This interpreter's scripts (torchrun, ciuic-train) on the job's PATH (--export=ALL), as
+    # an activated environment puts them there.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    job = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                         check=True)
     job_id = job.stdout.strip().split(";")[0]
     if wait:
         wait_until_gone(job_id)

@@ -68,8 +68,8 @@ def hydra_job(cfg: DictConfig) -> float:
 
 
 def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> dict[str, Any]:
-    with start_up():  # start-up until the steps begin (cli/startup.py)
-        from ciuic_train.distributed.process_group import Parallel, RankInfo, lost_peers_message  # torch only when a job runs
+    with start_up():  # torch only when a job runs; start-up lasts until the steps begin (cli/startup.py)
+        from ciuic_train.distributed.process_group import Parallel, RankInfo, lost_peers_message
         from ciuic_train.train.trainer import Trainer, resolve_device
 
     info = RankInfo.from_env()
@@ -78,7 +78,8 @@ def _train_in_this_process(cfg: DictConfig, config: Config, run_dir: Path) -> di
     parallel, finished = None, False
     try:
         with start_up():
-            parallel = Parallel(config.dist, resolve_device(config.device, info.local_rank), config.model.n_routed_experts)
+            device = resolve_device(config.device, info.local_rank)
+            parallel = Parallel(config.dist, device, config.model.n_routed_experts)
             _require_same_config(parallel, cfg)
             trainer = Trainer(config, run_dir, parallel)
         summary = trainer.fit()

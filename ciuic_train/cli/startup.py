@@ -3,8 +3,8 @@
 Starting a rank imports torch, DCP with DTensor and dynamo, and composes the config: some
 hundreds of thousands of objects, each allocation counted towards the collector's next
 pass, so that it walks the growing heap dozens of times, finding next to nothing to free
-(modules, functions and classes live as long as the process). Paused, a rank of a tiny
-run starts about a tenth sooner in CPU time (docs/performance.md,
+(modules, functions and classes live as long as the process). Paused, a tiny model's
+start-up takes about 0.85 of the CPU time (docs/performance.md,
 `python scripts/bench_startup.py`).
 
 The collector runs again as soon as the work that makes and drops objects for hours
@@ -38,6 +38,8 @@ def start_up() -> Iterator[None]:
 
 
 def thaw() -> None:
-    """After a job: what its start-up froze can be collected again, for the next job a
-    sweep runs in this process."""
+    """After a job: what its start-up froze is collected again, and at once: the job's
+    cycles (its trainer, model and optimizer) are freed before the next job a sweep runs
+    in this process starts up, which would otherwise freeze them for its whole run."""
     gc.unfreeze()
+    gc.collect()
