@@ -6,10 +6,11 @@ The model (823 M parameters: `model=small` widened, 256 routed experts per MoE l
 3.1 GiB of fp32 weights and 12.3 GiB of training state (weights, gradients, AdamW);
 each rank may map `LIMIT` (3.0 GiB, RLIMIT_AS, as `ulimit -v` sets it; every worker
 inherits it from torchrun). Only a rank that never holds more than its shards fits:
-the meta build, loading by rows, the row-hash checksum, saving and loading by shard.
-Two launches of 8 ranks (the run, its resume) are most of this module's minutes, and it
-holds the machine (`alone`): its first run both loads `init_from` and saves the
-checkpoint the resume reads.
+the meta build, initialization and loading by rows, the row-hash checksum, saving and
+loading by shard. Two launches of 8 ranks (the run, its resume) are most of this
+module's minutes, and it holds the machine (`alone`): its first run both loads
+`init_from` and saves the checkpoint the resume reads; a third builds the model from
+scratch, nothing more.
 """
 
 import gc
@@ -72,11 +73,12 @@ def data(workdir: Path) -> list[str]:
     return ["data=text", f"data.path={workdir / 'corpus'}", f"data.cache_dir={workdir / 'cache'}"]
 
 
-def run(workdir: Path, *args: str, torchrun: bool = True) -> subprocess.CompletedProcess:
-    """`ciuic-train ARGS` on 8 ranks under torchrun (or as the CLI alone), every process
-    limited to LIMIT of address space."""
+def run(workdir: Path, *args: str, torchrun: bool = True,
+        program: tuple[str, ...] = ("-m", "ciuic_train")) -> subprocess.CompletedProcess:
+    """`ciuic-train ARGS` (or `program` with BIG's overrides) on 8 ranks under torchrun (or
+    as the CLI alone), every process limited to LIMIT of address space."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "PYTHONUNBUFFERED": "1"}
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=8", "-m", "ciuic_train"]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=8", *program]
                 if torchrun else [str(Path(sys.executable).with_name("ciuic-train"))])
     return subprocess.run([*launcher, *BIG, *data(workdir), *args], cwd=workdir, env=env, preexec_fn=limited,
                           capture_output=True, text=True, timeout=900)
@@ -161,6 +163,18 @@ def test_init_from_loaded_by_shard_starts_where_one_process_does(trained, publis
     first_loss = json.loads((trained / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     # The ranks' own draws (init_std 0.02) would give another loss: the folder's weights were read.
     assert first_loss == pytest.approx(published[1], rel=1e-5)
+
+
+def test_it_initializes_from_scratch_by_rows_within_the_limit(workdir):
+    """The runs above draw nothing (init_from, then a resume): here each rank builds the
+    model from scratch, drawing only the rows it holds."""
+    out = workdir / "from_scratch"
+    out.mkdir()
+    result = run(workdir, *SHARDED, program=(str(Path(__file__).with_name("initialize_rank.py")), str(out)))
+    assert result.returncode == 0, failure(result)
+    peaks = [json.loads((out / f"rank{rank}.json").read_text())["peak_resident_bytes"] for rank in range(8)]
+    print("peak memory per rank after initialization (GiB):", [round(p / GIB, 2) for p in peaks])
+    assert max(peaks) < LIMIT
 
 
 def test_it_resumes_within_the_limit(workdir, published, trained):
