@@ -9,13 +9,8 @@ import sys
 from pathlib import Path
 
 from conftest import compose_config
+from ciuic_train.memory_limits import peak_resident_bytes
 from ciuic_train.train.trainer import Trainer
-
-
-def peak_resident_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

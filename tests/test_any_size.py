@@ -118,9 +118,8 @@ def workdir(tmp_path_factory) -> Path:
 def published(workdir) -> tuple[Path, float]:
     """Weights no run here draws (`init_std` 0.05, not the model's own), written by one
     unlimited process as a Hugging Face folder split into files as published checkpoints
-    are (each is mapped while it is read, and a mapping counts against the address-space
-    limit as a whole), and the loss these weights give on the first global batch (the
-    8 windows the 8 ranks' first step takes), computed here, whole, with no optimizer step."""
+    are, and the loss these weights give on the first global batch (the 8 windows the 8
+    ranks' first step takes), computed here, whole, with no optimizer step."""
     config = compose_config(*BIG, *data(workdir), "train.batch_size=8", "model.init_std=0.05")
     (workdir / "reference").mkdir()  # Hydra makes it for the CLI
     trainer = Trainer(config, workdir / "reference")
